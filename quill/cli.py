@@ -1,0 +1,151 @@
+"""The `quill` command: generate, chat, serve."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--kv-cache-memory", type=_parse_bytes, default=None, help="bytes (e.g. 2GiB, 512MiB)"
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--compile", action="store_true", help="torch.compile (slow start)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        compile=args.compile,
+    )
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lower = text.strip().lower()
+    for suffix, scale in units.items():
+        if lower.endswith(suffix):
+            return int(float(lower[: -len(suffix)]) * scale)
+    return int(lower)
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _sampling_params(args):
+    from quill.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+
+
+def _stream(engine, prompt, params) -> str:
+    """Run one request, printing its text as it arrives."""
+    request_id = engine.add_request(prompt, params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            delta = out.outputs[0].delta_text
+            text += delta
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from quill.llm import LLM
+
+    llm = LLM(args.model, **engine_options(args))
+    _stream(llm.engine, args.prompt, _sampling_params(args))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from quill.llm import LLM
+
+    llm = LLM(args.model, **engine_options(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("quill chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(messages)
+        reply = _stream(llm.engine, prompt, _sampling_params(args))
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="quill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2)")
+    add_engine_arguments(gen)
+    _sampling_arguments(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="talk to the model through its chat template")
+    chat.add_argument("--model", default=None)
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_arguments(chat)
+    _sampling_arguments(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    try:
+        from quill.server.serve import add_serve_arguments, run_serve
+    except ImportError:  # the server's dependencies are optional for offline use
+        add_serve_arguments = run_serve = None
+    if add_serve_arguments is not None:
+        add_serve_arguments(serve)
+        serve.set_defaults(func=run_serve)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if getattr(args, "func", None) is None:
+        parser.error("the server is not available")
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Engine configuration: one dataclass that every part reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    """Options of one engine instance; `LLM(**options)` and `quill serve` fill it."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    max_num_batched_tokens: int | None = None  # token budget per step; 512 on CPU
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's context length
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default from free memory
+    block_size: int = 16
+    compile: bool = False  # torch.compile with bucketed batch sizes (slow start, faster steps)
+    seed: int = 0
+    tokenizer: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -1,0 +1,82 @@
+"""What the engine hands back: per-request outputs (cumulative and incremental) and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quill.engine.request import Request
+
+# One generated token's logprobs: {token id: logprob}, the chosen token always included.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request in seconds of the engine's clock, measured from its arrival."""
+
+    arrival_time: float
+    queue_time: float | None
+    time_to_first_token: float | None
+    mean_inter_token_latency: float | None
+    max_inter_token_latency: float | None
+    prefill_time: float | None
+    decode_time: float | None
+    e2e_latency: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, request: Request) -> RequestMetrics:
+        t = request.times
+
+        def since(a, b):
+            return None if a is None or b is None else a - b
+
+        end = t.finished
+        return cls(
+            arrival_time=t.arrival,
+            queue_time=since(t.first_scheduled, t.arrival),
+            time_to_first_token=since(t.first_token, t.arrival),
+            mean_inter_token_latency=t.itl_sum / t.num_itl if t.num_itl else None,
+            max_inter_token_latency=t.itl_max if t.num_itl else None,
+            prefill_time=since(t.first_token, t.first_scheduled),
+            decode_time=since(end, t.first_token),
+            e2e_latency=since(end, t.arrival),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_output_tokens,
+            num_preemptions=request.num_preemptions,
+        )
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class CompletionOutput:
+    """The generated text so far. `delta_*` hold what is new since the previous output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # set when finish_reason is "error"

@@ -1,0 +1,97 @@
+"""A request as the scheduler sees it: token counts, KV blocks and timestamps. No torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from quill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimes:
+    """Timestamps (clock seconds) and inter-token gaps of one request."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    num_itl: int = 0
+    itl_sum: float = 0.0
+    itl_max: float = 0.0
+
+    def on_token(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            gap = now - self.last_token
+            self.num_itl += 1
+            self.itl_sum += gap
+            self.itl_max = max(self.itl_max, gap)
+        self.last_token = now
+
+
+@dataclass
+class Request:
+    """One sequence being served. `num_computed_tokens` counts tokens whose KV is cached."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    max_tokens: int  # resolved: never None, fits the model's context
+    eos_token_id: int | None = None
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    times: RequestTimes = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.times is None:
+            self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_id_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return (
+            self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        )
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]

@@ -1,0 +1,195 @@
+"""The scheduler: decides how many tokens each request computes in the next step. No torch.
+
+Every step is one pass over the model under a token budget. Running requests go first (a decode
+costs one token), then waiting prompts fill what is left in chunks, so a long prompt never holds
+the running streams for more than one budget's worth of work. When the KV pool runs dry the most
+recently admitted request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from quill.engine.block_pool import KVCacheManager
+from quill.engine.request import Request, RequestStatus
+from quill.errors import InvalidRequestError
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_tokens: int  # tokens computed for this request in this step
+    start: int  # position of the first of them (num_computed_tokens before the step)
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so a new token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # finished while scheduling
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, FCFS admission and recompute preemption."""
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.token_budget = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if not self.kv.can_ever_fit(request.num_prompt_tokens + 1):
+            raise InvalidRequestError(
+                f"prompt of {request.num_prompt_tokens} tokens can never fit in the KV cache "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)",
+                param="prompt",
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: str, stop_reason=None) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.token_budget
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens_to_compute, budget)
+            if not self._grow_or_preempt(request, n, out):
+                continue  # request itself was preempted or finished; running[i] is the next one
+            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+            budget -= n
+            i += 1
+
+        # Admitting new work right after preempting would only thrash the pool.
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            n = min(request.num_tokens_to_compute, budget)
+            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = now
+            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+            budget -= n
+        return out
+
+    def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        needed = request.num_computed_tokens + n
+        while not self.kv.allocate_slots(request.request_id, needed):
+            if len(self.running) == 1:
+                # Alone and still out of blocks: the pool cannot hold this sequence any longer.
+                self.finish_request(request.request_id, "length")
+                out.finished.append(request)
+                return False
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], now: float = 0.0
+    ) -> tuple[list[Request], list[Request]]:
+        """Apply a step's results. Returns (requests that got a token, requests that finished)."""
+        advanced: list[Request] = []
+        finished: list[Request] = list(out.finished)
+        for s in out.scheduled:
+            request = s.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += s.num_tokens
+            if not s.samples:
+                continue
+            token = sampled[request.request_id]
+            request.output_token_ids.append(token)
+            request.times.on_token(now)
+            advanced.append(request)
+            reason, stop_reason = self._check_stop(request, token)
+            if reason is not None:
+                self.finish_request(request.request_id, reason, stop_reason)
+                finished.append(request)
+        return advanced, finished
+
+    def _check_stop(self, request: Request, token: int) -> tuple[str | None, int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+        if request.num_output_tokens >= request.max_tokens:
+            return "length", None
+        if request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None

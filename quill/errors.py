@@ -1,0 +1,20 @@
+"""Errors that name what is wrong, so the API can map them to OpenAI's error body."""
+
+from __future__ import annotations
+
+
+class QuillError(Exception):
+    """Base class of quill's own errors."""
+
+
+class InvalidRequestError(QuillError, ValueError):
+    """A request that can never be served as asked (HTTP 400). `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ModelLoadError(QuillError, ValueError):
+    """The model could not be loaded: unsupported architecture, missing file, bad tensor."""

@@ -1,0 +1,87 @@
+"""The model's shape, read from a Hugging Face config.json (or built from GGUF metadata)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from quill.errors import ModelLoadError
+
+# Architectures that share the Llama block: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": False,  # value: QKV projections carry a bias
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+
+
+@dataclass
+class ModelConfig:
+    """Everything the forward pass needs to know about the model's shape."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> ModelConfig:
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or d.get('model_type')!r}; quill supports "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_scaling = d.get("rope_scaling") or None
+        rope_theta = d.get("rope_theta")
+        if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
+            rope_theta = d["rope_parameters"].get("rope_theta")
+            if d["rope_parameters"].get("rope_type", "default") != "default":
+                rope_scaling = d["rope_parameters"]
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=SUPPORTED_ARCHITECTURES[arch] or bool(d.get("attention_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise ModelLoadError(f"no config.json in model directory {str(path)!r}")
+        return cls.from_hf_dict(json.loads(config_file.read_text()))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token per element byte (multiply by the dtype's size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

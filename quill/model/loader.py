@@ -1,0 +1,208 @@
+"""Loading a Llama-family model: Hugging Face safetensors, GGUF, or dummy weights from a config.
+
+Weights arrive under Hugging Face names and are copied into quill's fused parameters (q/k/v into
+one projection, gate/up into another). Every parameter must be filled exactly once with the right
+shape; anything else stops the load with an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quill.errors import ModelLoadError
+from quill.model.config import ModelConfig
+from quill.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    name = aliases.get(name, name)
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise ModelLoadError("float16 is only supported on GPU; use bfloat16 or float32 on CPU")
+    return getattr(torch, name)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    hf_config: dict
+    source: Path  # the directory or GGUF file the weights came from
+
+
+def _target(name: str, config: ModelConfig) -> tuple[str, int, int] | None:
+    """Our parameter, row offset and row count for a Hugging Face tensor name (None: skip)."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    if name == "model.embed_tokens.weight":
+        return "embed_tokens.weight", 0, config.vocab_size
+    if name == "model.norm.weight":
+        return "norm.weight", 0, config.hidden_size
+    if name == "lm_head.weight":
+        if config.tie_word_embeddings:
+            return None
+        return "lm_head.weight", 0, config.vocab_size
+    if not name.startswith("model.layers."):
+        if "rotary_emb" in name:
+            return None
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+    _, _, idx, rest = name.split(".", 3)
+    prefix = f"layers.{idx}."
+    if int(idx) >= config.num_layers:
+        raise ModelLoadError(f"tensor {name!r} is beyond the model's {config.num_layers} layers")
+    kind, _, suffix = rest.rpartition(".")  # e.g. self_attn.q_proj, weight
+    table = {
+        "self_attn.q_proj": ("qkv_proj", 0, q),
+        "self_attn.k_proj": ("qkv_proj", q, kv),
+        "self_attn.v_proj": ("qkv_proj", q + kv, kv),
+        "self_attn.o_proj": ("o_proj", 0, config.hidden_size),
+        "mlp.gate_proj": ("gate_up_proj", 0, inter),
+        "mlp.up_proj": ("gate_up_proj", inter, inter),
+        "mlp.down_proj": ("down_proj", 0, config.hidden_size),
+        "input_layernorm": ("input_layernorm", 0, config.hidden_size),
+        "post_attention_layernorm": ("post_attention_layernorm", 0, config.hidden_size),
+    }
+    if kind not in table or "rotary_emb" in kind:
+        if "rotary_emb" in name:
+            return None
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+    param, offset, rows = table[kind]
+    return f"{prefix}{param}.{suffix}", offset, rows
+
+
+def load_weights(
+    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+) -> None:
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    for name, tensor in weights:
+        target = _target(name, config)
+        if target is None:
+            continue
+        param_name, offset, rows = target
+        if param_name not in params:
+            raise ModelLoadError(f"tensor {name!r} has no place in the model")
+        param = params[param_name]
+        expected = (rows, *param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+            )
+        with torch.no_grad():
+            param[offset : offset + rows].copy_(tensor)
+        filled[param_name] = filled.get(param_name, 0) + rows
+    for name, param in params.items():
+        if filled.get(name, 0) != param.shape[0]:
+            raise ModelLoadError(f"checkpoint is missing weights for {name!r}")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {str(path)!r}")
+    return files
+
+
+def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"missing weight file {str(f)!r}")
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def _build(config: ModelConfig, max_positions: int, dtype, device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.init_rope(max_positions)
+    return model
+
+
+def _dummy_init(model: LlamaForCausalLM) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def load_model(
+    path: str | Path,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+) -> LoadedModel:
+    """Load from a Hugging Face directory or a GGUF file (dummy weights need only config.json)."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    is_gguf = path.is_file() and (path.suffix == ".gguf" or load_format == "gguf")
+    if path.is_file() and not is_gguf:
+        raise ModelLoadError(f"{str(path)!r} is a file but not a .gguf model")
+    if is_gguf:
+        from quill.model import gguf_loader
+
+        reader = gguf_loader.open_gguf(path)
+        hf_config = gguf_loader.gguf_hf_config(reader)
+    else:
+        hf_config = (
+            json.loads((path / "config.json").read_text())
+            if (path / "config.json").is_file()
+            else None
+        )
+        if hf_config is None:
+            raise ModelLoadError(f"no config.json in model directory {str(path)!r}")
+    config = ModelConfig.from_hf_dict(hf_config)
+    positions = max_positions or config.max_position_embeddings
+    model = _build(config, positions, dtype, device)
+    if load_format == "dummy":
+        _dummy_init(model)
+    elif is_gguf:
+        load_weights(model, gguf_loader.gguf_tensors(reader, hf_config), config)
+    else:
+        load_weights(model, _safetensors_weights(_safetensors_files(path)), config)
+    model.eval()
+    return LoadedModel(model, config, hf_config, path)

@@ -1,0 +1,129 @@
+"""The model runner: the executor that turns a scheduler decision into sampled tokens.
+
+It owns the model, the KV cache tensors and the sampler. Per step it lays the scheduled tokens
+out flat (no padding), builds the attention layout for the paged cache, runs one forward pass,
+maps only the rows that sample to logits, and samples them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from quill.engine.scheduler import SchedulerOutput
+from quill.model.attention import AttentionMetadata, ForwardContext, build_group, forward_context
+from quill.model.llama import LlamaForCausalLM
+from quill.model.sampler import Sampler, SampleResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int]
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+
+
+class ModelRunner:
+    """Executes steps on one device. The KV pool has one extra scratch block for padding."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.sampler = Sampler(device, seed)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.scratch_block = 0
+        self.scale = self.config.head_dim**-0.5
+        self.forward = model.forward  # replaced by a compiled wrapper when compiling
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.config.kv_bytes_per_token * self.block_size * elem
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        c = self.config
+        shape = (num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)
+        # Zeroed: masked-out keys still meet the values in P @ V, and 0 * NaN would poison it.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(c.num_layers)
+        ]
+        self.scratch_block = num_blocks
+
+    def free_request(self, request_id: str) -> None:
+        self.sampler.free(request_id)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests = []
+        decode, prefill = [], []  # (first flat index, q_len, context_len, block table)
+        bs = self.block_size
+        for s in out.scheduled:
+            request, start, n = s.request, s.start, s.num_tokens
+            table = block_tables[request.request_id]
+            first = len(input_ids)
+            input_ids.extend(request.token_ids_slice(start, start + n))
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            (decode if n == 1 else prefill).append((first, n, start + n, table))
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(request)
+
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            groups=[self._group(g) for g in (decode, prefill) if g],
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        ctx = ForwardContext(metadata, self.kv_caches, self.scale)
+        with forward_context(ctx):
+            hidden = self.forward(ids, pos)
+        if not sample_rows:
+            return StepResult({}, {})
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden[rows])
+        result: SampleResult = self.sampler(logits, sample_requests)
+        sampled = {r.request_id: t for r, t in zip(sample_requests, result.token_ids)}
+        logprobs = {
+            r.request_id: lp for r, lp in zip(sample_requests, result.logprobs) if lp is not None
+        }
+        return StepResult(sampled, logprobs)
+
+    def _group(self, seqs: list[tuple[int, int, int, list[int]]]):
+        dev = self.device
+        max_q = max(q for _, q, _, _ in seqs)
+        max_blocks = max(len(t) for *_, t in seqs)
+        token_index = torch.tensor(
+            [[first + min(i, q - 1) for i in range(max_q)] for first, q, _, _ in seqs],
+            dtype=torch.long,
+            device=dev,
+        )
+        tables = torch.tensor(
+            [t + [self.scratch_block] * (max_blocks - len(t)) for *_, t in seqs],
+            dtype=torch.long,
+            device=dev,
+        )
+        q_lens = torch.tensor([q for _, q, _, _ in seqs], dtype=torch.long, device=dev)
+        ctx_lens = torch.tensor([c for _, _, c, _ in seqs], dtype=torch.long, device=dev)
+        return build_group(token_index, q_lens, ctx_lens, tables, self.block_size)
