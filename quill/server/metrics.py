@@ -1,0 +1,162 @@
+"""Prometheus metrics, named as vLLM names them but prefixed `quill:`.
+
+The wait and the pace are kept apart: queue time and time to first token say how long a request
+waited, inter-token latency and decode time say how fast it then ran. Request timings come from
+the engine's RequestMetrics, whose clock starts at the request's arrival at the server. All
+updates happen in the engine thread, once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from quill.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class ServerMetrics:
+    """One registry per server, so that several servers in one process (tests) stay apart."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"quill:{name}", doc, labels, buckets=buckets, registry=r)
+
+        def one(metric):
+            return metric.labels(model_name=model_name)
+
+        self.ttft = one(
+            hist("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        )
+        self.itl = one(hist("inter_token_latency_seconds", "Gap between tokens.", _ITL_BUCKETS))
+        self.e2e = one(hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS))
+        self.queue = one(
+            hist("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        )
+        self.prefill = one(
+            hist(
+                "request_prefill_time_seconds", "First scheduled to first token.", _LATENCY_BUCKETS
+            )
+        )
+        self.decode = one(
+            hist("request_decode_time_seconds", "First token to finish.", _LATENCY_BUCKETS)
+        )
+        self.iteration_tokens = one(
+            hist("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
+        )
+        self.batch_size = one(
+            hist(
+                "iteration_batch_size",
+                "Requests that produced a token in one engine step.",
+                _TOKEN_BUCKETS,
+            )
+        )
+        self.prompt_len = one(
+            hist("request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS)
+        )
+        self.gen_len = one(
+            hist(
+                "request_generation_tokens",
+                "Generated tokens per finished request.",
+                _TOKEN_BUCKETS,
+            )
+        )
+        self.running = one(
+            Gauge("quill:num_requests_running", "Requests running.", labels, registry=r)
+        )
+        self.waiting = one(
+            Gauge("quill:num_requests_waiting", "Requests waiting.", labels, registry=r)
+        )
+        self.kv_usage = one(
+            Gauge("quill:kv_cache_usage_perc", "KV cache usage (1 = full).", labels, registry=r)
+        )
+        self.preemptions = one(
+            Counter(
+                "quill:num_preemptions", "Preemptions (recomputed requests).", labels, registry=r
+            )
+        )
+        self.prompt_tokens = one(
+            Counter(
+                "quill:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r
+            )
+        )
+        self.generation_tokens = one(
+            Counter(
+                "quill:generation_tokens",
+                "Generated tokens of finished requests.",
+                labels,
+                registry=r,
+            )
+        )
+        self._success = Counter(
+            "quill:request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
+        self._last_token: dict[str, float] = {}
+
+    def on_step(
+        self,
+        outputs: Iterable[RequestOutput],
+        now: float,
+        num_batched_tokens: int | None,
+        num_preemptions: int,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+    ) -> None:
+        """Record one step. `num_batched_tokens` is None when the step ran no model pass."""
+        if num_batched_tokens is not None:
+            self.iteration_tokens.observe(num_batched_tokens)
+        if num_preemptions:
+            self.preemptions.inc(num_preemptions)
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+        produced = 0
+        for out in outputs:
+            if out.outputs[0].delta_token_ids:
+                produced += 1
+                last = self._last_token.get(out.request_id)
+                if last is not None:
+                    self.itl.observe(now - last)
+                self._last_token[out.request_id] = now
+            if out.finished:
+                self._last_token.pop(out.request_id, None)
+                self._on_finished(out)
+        if produced:
+            self.batch_size.observe(produced)
+
+    def _on_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        for hist, value in (
+            (self.ttft, m.time_to_first_token),
+            (self.e2e, m.e2e_latency),
+            (self.queue, m.queue_time),
+            (self.prefill, m.prefill_time),
+            (self.decode, m.decode_time),
+        ):
+            if value is not None:
+                hist.observe(value)
+        self.prompt_len.observe(m.num_prompt_tokens)
+        self.gen_len.observe(m.num_generation_tokens)
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(m.num_generation_tokens)
+        reason = out.outputs[0].finish_reason or "abort"
+        self._success.labels(model_name=self.model_name, finished_reason=reason).inc()

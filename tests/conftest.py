@@ -1,0 +1,54 @@
+"""Shared fixtures: the default model converted once, one fp32 engine, the transformers reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+# Prompts for reference comparisons: one token up to over a thousand.
+_PARAGRAPH = (
+    "The history of computing is a story of machines that got smaller, faster and cheaper. "
+    "Early computers filled rooms and used vacuum tubes; transistors replaced them, and then "
+    "integrated circuits put thousands and later billions of transistors on a single chip. "
+)
+
+
+def long_prompt(num_words: int) -> str:
+    words = (_PARAGRAPH * (num_words // 40 + 1)).split()
+    return " ".join(words[:num_words])
+
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "List three colors:\n1.",
+    "Once upon a time, in a small village by the sea, there lived",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    long_prompt(300),
+    long_prompt(900),
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from quill.model.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def llm(model_dir):
+    from quill import LLM
+
+    return LLM(str(model_dir), dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=64)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model.eval()
