@@ -1,4 +1,4 @@
-"""Shared fixtures: the default model converted once, one fp32 engine, the transformers reference."""
+"""Shared fixtures: the default model converted once, one fp32 engine, the reference model."""
 
 from __future__ import annotations
 

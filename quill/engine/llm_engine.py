@@ -89,7 +89,7 @@ class LLMEngine:
         if config.compile:
             from quill.model.compile import compile_runner
 
-            compile_runner(self.runner, budget, config.max_num_seqs)
+            compile_runner(self.runner, budget)
         self._log_pool(num_blocks)
         self._pending: deque[tuple[str, object]] = deque()
         self._lock = threading.Lock()

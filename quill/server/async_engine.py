@@ -48,6 +48,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._stopping = False
+        self._draining = False
         self.error: BaseException | None = None  # set if the engine thread died
         # For the waiting-queue estimate: requests added in total, and how many of them had
         # been added when the last step began (all of those were drained by that step).
@@ -61,13 +62,22 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="quill-engine", daemon=True)
         self._thread.start()
 
-    async def stop(self) -> None:
-        """Abort everything in flight, then end the engine thread."""
+    def drain(self) -> None:
+        """Refuse new requests and abort those in flight; their streams end with "abort"."""
+        self._draining = True
         self.abort_all()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Drain, wait for the aborts to come back (one step), then end the engine thread."""
+        self.drain()
+        deadline = time.monotonic() + timeout
+        while self._sinks and self.is_alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._fail_all("the server is shutting down")
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+            await asyncio.to_thread(self._thread.join, timeout)
 
     @property
     def is_alive(self) -> bool:
@@ -95,8 +105,10 @@ class AsyncEngine:
 
         Takes token ids: tokenizing is the caller's job, in a worker thread.
         """
-        if not self.is_alive:
-            raise EngineFailure("the engine is not running")
+        if not self.is_alive or self._draining:
+            raise EngineFailure(
+                "the server is shutting down" if self._draining else "the engine is not running"
+            )
         # Registered first: the engine thread may finish a step with it before add returns.
         self._sinks[request_id] = _Sink(queue, index)
         try:

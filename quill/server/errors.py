@@ -69,7 +69,9 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
     errors = e.errors()
     if not errors:
         return bad_request("invalid request")
-    err = errors[0]
+    # With unions, pydantic reports one error per branch; the deepest one is the most telling
+    # ("content.0.type: Input should be 'text'" rather than "content: not a string").
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, InvalidRequestError):
         return from_invalid(cause)

@@ -21,7 +21,7 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):

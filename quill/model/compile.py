@@ -1,0 +1,63 @@
+"""Optional `torch.compile` of the model's dense path, for a fixed set of token counts.
+
+Each distinct number of tokens in a step compiles once (tens of seconds on a small CPU), so the
+runner pads every step up to a bucket (powers of two, then the token budget) and compiles each
+bucket on first use, logging it. Attention is an opaque custom op, so its varying context
+lengths never trigger recompiles. Inductor's caches go under `$QUILL_CACHE/inductor`, so a
+restart reuses earlier work. With freezing, weights become constants that oneDNN can pre-pack.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from quill.model.default_model import cache_dir
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(token_budget: int) -> list[int]:
+    sizes, n = [], 1
+    while n < token_budget:
+        sizes.append(n)
+        n *= 2
+    return sizes + [token_budget]
+
+
+class BucketedForward:
+    """Calls a compiled forward at the smallest bucket that holds the step's tokens."""
+
+    def __init__(self, forward, buckets: list[int]) -> None:
+        self.compiled = torch.compile(forward, dynamic=False)
+        self.buckets = buckets
+        self.seen: set[int] = set()
+
+    def padded_size(self, num_tokens: int) -> int:
+        return next((b for b in self.buckets if b >= num_tokens), num_tokens)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[0]
+        if n not in self.seen:
+            self.seen.add(n)
+            log.info("compiling the model for %d tokens per step (once; cached on disk)", n)
+            start = time.perf_counter()
+            out = self.compiled(input_ids, positions)
+            log.info("compiled %d-token step in %.1f s", n, time.perf_counter() - start)
+            return out
+        return self.compiled(input_ids, positions)
+
+
+def compile_runner(runner, token_budget: int) -> None:
+    """Switch a ModelRunner to compiled, bucketed forward passes."""
+    import torch._inductor.config as inductor_config
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    inductor_config.freezing = True
+    inductor_config.fx_graph_cache = True
+    bucketed = BucketedForward(runner.model.forward, bucket_sizes(token_budget))
+    runner.forward = bucketed
+    runner.padded_size = bucketed.padded_size

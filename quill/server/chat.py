@@ -1,0 +1,144 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from quill.engine.outputs import RequestOutput, TokenLogprobs
+from quill.engine.tokenizer import Tokenizer
+from quill.errors import InvalidRequestError, ModelLoadError
+from quill.server.context import ServerContext
+from quill.server.generation import (
+    Generation,
+    event_stream,
+    json_logprob,
+    sse,
+    token_text,
+    unless_disconnected,
+)
+from quill.server.protocol import ChatCompletionRequest
+
+
+def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The chat template applied; a template that refuses the conversation is a 400."""
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except ModelLoadError as e:
+        raise InvalidRequestError(str(e), param="messages") from e
+    except Exception as e:  # jinja raises for conversations its template does not allow
+        raise InvalidRequestError(f"chat template error: {e}", param="messages") from e
+
+
+async def create_chat_completion(
+    ctx: ServerContext, req: ChatCompletionRequest, raw: Request, arrival_time: float
+) -> Response | dict:
+    model = ctx.check_model(req.model)
+    tok = ctx.tokenizer
+    messages = req.template_messages()
+    add_gen = req.add_generation_prompt is not False
+
+    def encode() -> list[int]:
+        return tok.encode(render_chat(tok, messages, add_gen))
+
+    prompt = await asyncio.to_thread(encode)
+    # No default cap for chat: the reply may run to the end of the context, as with OpenAI.
+    params = [req.sampling_params(None, req.num_logprobs, j) for j in range(req.num_choices)]
+    gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", arrival_time)
+    gen.submit([prompt], params)
+    fmt = _Formatter(gen, model, tok, req.top_logprobs or 0)
+    if req.stream:
+        chunks = fmt.stream(req.include_usage)
+        return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
+    return await unless_disconnected(raw, gen, fmt.collect)
+
+
+class _Formatter:
+    """Builds OpenAI `chat.completion` and `chat.completion.chunk` objects."""
+
+    def __init__(self, gen: Generation, model: str, tok: Tokenizer, top_n: int) -> None:
+        self.gen = gen
+        self.tok = tok
+        self.top_n = top_n
+        self.head = {"id": gen.request_id, "created": int(time.time()), "model": model}
+
+    def _logprobs(self, token_ids: list[int], entries: list[TokenLogprobs] | None):
+        if entries is None:
+            return None
+        content = []
+        for tid, entry in zip(token_ids, entries):
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_n]
+            content.append(
+                {
+                    **self._token(tid, entry.get(tid)),
+                    "top_logprobs": [self._token(t, lp) for t, lp in ranked],
+                }
+            )
+        return {"content": content, "refusal": None}
+
+    def _token(self, token_id: int, logprob: float | None) -> dict:
+        text = token_text(self.tok, token_id)
+        return {
+            "token": text,
+            "logprob": json_logprob(logprob),
+            "bytes": list(text.encode("utf-8")),
+        }
+
+    async def collect(self) -> dict:
+        async for _ in self.gen.outputs():
+            pass
+        choices = []
+        for index in range(self.gen.num_choices):
+            c = self.gen.finished[index].outputs[0]
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return {
+            **self.head,
+            "object": "chat.completion",
+            "choices": choices,
+            "usage": self.gen.usage(),
+            "metrics": self.gen.timings(),
+        }
+
+    def _chunk(self, choice: dict) -> dict:
+        return {**self.head, "object": "chat.completion.chunk", "choices": [choice]}
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
+        # The role comes first, before any token: clients see the reply begin at once.
+        for index in range(self.gen.num_choices):
+            delta = {"role": "assistant", "content": ""}
+            yield sse(self._chunk(_choice(index, delta, None, None)))
+        async for index, out in self.gen.outputs():
+            chunk = self._delta_chunk(index, out)
+            if chunk is None:
+                continue
+            if self.gen.done and not include_usage:
+                chunk["metrics"] = self.gen.timings()  # the last chunk of the stream
+            yield sse(chunk)
+        if include_usage:
+            last = {**self._chunk({}), "choices": [], "usage": self.gen.usage()}
+            yield sse({**last, "metrics": self.gen.timings()})
+
+    def _delta_chunk(self, index: int, out: RequestOutput) -> dict | None:
+        c = out.outputs[0]
+        logprobs = self._logprobs(c.delta_token_ids, c.delta_logprobs)
+        if not c.delta_text and logprobs is None and not c.finished:
+            return None  # text held back (a stop string may be forming)
+        delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
+        return self._chunk(_choice(index, delta, logprobs, c.finish_reason))
+
+
+def _choice(index: int, delta: dict, logprobs, finish_reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,192 @@
+"""One API request as engine requests: fan-out, merged outputs, abort on disconnect, timings.
+
+The engine serves one sequence per request, so `n` choices of `p` prompts become `p * n` engine
+requests whose outputs arrive on one queue, tagged with their choice index (prompt-major, as
+OpenAI numbers them). Whatever way the HTTP request ends (finished, client gone, error), the
+engine requests still running are aborted, which frees their KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from quill.engine.outputs import RequestMetrics, RequestOutput
+from quill.engine.tokenizer import Tokenizer
+from quill.sampling_params import SamplingParams
+from quill.server.async_engine import EngineFailure
+from quill.server.context import ServerContext
+from quill.server.errors import APIError, error_body
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class Generation:
+    """The engine requests behind one API request."""
+
+    def __init__(self, ctx: ServerContext, request_id: str, arrival_time: float) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.engine_ids: list[str] = []
+        self.prompt_lens: list[int] = []
+        self.finished: dict[int, RequestOutput] = {}
+
+    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> None:
+        """Add len(prompts) * len(params) engine requests; all or none (InvalidRequestError)."""
+        self.ctx.check_capacity()
+        try:
+            for prompt in prompts:
+                self.prompt_lens.append(len(prompt))
+                for p in params:
+                    index = len(self.engine_ids)
+                    engine_id = f"{self.request_id}-{index}"
+                    self.ctx.engine.add(prompt, p, engine_id, self.arrival_time, self.queue, index)
+                    self.engine_ids.append(engine_id)
+        except EngineFailure as e:
+            self.abort()
+            raise APIError(503, str(e), "server_error", headers={"Retry-After": "1"}) from e
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.engine_ids)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == self.num_choices
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) as the engine produces them, until every choice finished."""
+        while not self.done:
+            index, out = await self.queue.get()
+            if isinstance(out, EngineFailure):
+                raise out
+            if out.outputs[0].finish_reason == "error":
+                raise EngineFailure(out.error or "the engine failed this request")
+            if out.finished:
+                self.finished[index] = out
+            yield index, out
+
+    def abort(self) -> None:
+        for index, engine_id in enumerate(self.engine_ids):
+            if index not in self.finished:
+                self.ctx.engine.abort(engine_id)
+
+    # -- summaries ---------------------------------------------------------------------
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_lens)
+        completion = sum(len(o.outputs[0].token_ids) for o in self.finished.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def timings(self) -> dict:
+        return request_timings([o.metrics for o in self.finished.values()], sum(self.prompt_lens))
+
+
+def request_timings(metrics: list[RequestMetrics], num_prompt_tokens: int) -> dict:
+    """The request's own timings in seconds from its arrival at the server.
+
+    With several choices these describe the whole: waiting ends when the first choice is
+    scheduled, the first token is the first of any choice, the end is when the last one ends.
+    For one choice they are exactly the engine's numbers.
+    """
+
+    def pick(fn, values):
+        values = [v for v in values if v is not None]
+        return fn(values) if values else None
+
+    queue = pick(min, [m.queue_time for m in metrics])
+    ttft = pick(min, [m.time_to_first_token for m in metrics])
+    e2e = pick(max, [m.e2e_latency for m in metrics])
+    gaps = [
+        (m.mean_inter_token_latency, m.num_generation_tokens - 1)
+        for m in metrics
+        if m.mean_inter_token_latency is not None
+    ]
+    count = sum(k for _, k in gaps)
+    return {
+        "queue_time": queue,
+        "time_to_first_token": ttft,
+        "mean_inter_token_latency": sum(v * k for v, k in gaps) / count if count else None,
+        "max_inter_token_latency": pick(max, [m.max_inter_token_latency for m in metrics]),
+        "prefill_time": None if ttft is None or queue is None else ttft - queue,
+        "decode_time": None if e2e is None or ttft is None else e2e - ttft,
+        "e2e_latency": e2e,
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_generation_tokens": sum(m.num_generation_tokens for m in metrics),
+        "num_preemptions": sum(m.num_preemptions for m in metrics),
+    }
+
+
+# -- transport ---------------------------------------------------------------------------
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def event_stream(gen: Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Server-sent events ending in [DONE]; an engine failure becomes an error event."""
+    try:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except EngineFailure as e:
+            yield sse(error_body(str(e), "server_error"))
+        except Exception:  # a bug here must still end the stream in a way clients understand
+            log.exception("stream %s failed", gen.request_id)
+            yield sse(error_body("internal server error", "server_error"))
+        yield "data: [DONE]\n\n"
+    finally:
+        # Also reached when the client went away: starlette cancels the stream then.
+        gen.abort()
+
+
+async def unless_disconnected(
+    request: Request, gen: Generation, work: Callable[[], Awaitable[T]]
+) -> T | Response:
+    """Run `work`, aborting the generation if the client disconnects before it is done."""
+    task = asyncio.ensure_future(work())
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watch.cancel()
+        gen.abort()
+    if not task.done() or task.cancelled():
+        return Response(status_code=499)  # nobody reads it; the client is gone
+    try:
+        return task.result()
+    except EngineFailure as e:
+        raise APIError(500, str(e), "server_error") from e
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token as text, for logprobs (special tokens shown, not dropped)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def json_logprob(value: float | None) -> float | None:
+    """JSON has no -inf or NaN; OpenAI reports impossible tokens as -9999.0."""
+    if value is None or value != value:
+        return None
+    return max(value, -9999.0)

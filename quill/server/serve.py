@@ -1,0 +1,141 @@
+"""`quill serve [MODEL]`: command-line flags, engine start-up and the uvicorn server.
+
+SIGINT (Ctrl-C) and SIGTERM stop the server cleanly: new requests are refused, requests in
+flight are aborted so their streams end at once (finish_reason "abort"), then uvicorn closes
+the connections and the engine thread ends. A second Ctrl-C forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+
+import uvicorn
+
+from quill.cli import add_engine_arguments, engine_options
+from quill.server.app import build_app
+from quill.server.context import ServerContext
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The serve subcommand's flags: MODEL, the engine's flags and the server's own."""
+    parser.add_argument(
+        "model", nargs="?", default=None, help="HF directory or .gguf (default: SmolLM2-135M)"
+    )
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("QUILL_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $QUILL_API_KEY)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests allowed to wait for the engine; past it, 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use for the model (default: MODEL as given, or the default's name)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
+
+
+class QuillServer(uvicorn.Server):
+    """uvicorn's server, plus: drain the engine on the first signal, print a ready line."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, announce: bool = True) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.announce = announce
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.base_url: str | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if not self.started or not self.servers:
+            return
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        self.base_url = f"http://{shown}:{port}"
+        if self.announce:
+            names = ", ".join(self.ctx.served_model_names)
+            print(f"quill: serving {names} at {self.base_url} (OpenAI API: {self.base_url}/v1)")
+            print("quill: ready (Ctrl-C to stop)", flush=True)
+
+    def request_shutdown(self) -> None:
+        """Thread-safe: end streams in flight, then let uvicorn shut down."""
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.ctx.engine.drain)
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            super().handle_exit(sig, frame)  # a second signal: uvicorn forces the exit
+        else:
+            self.request_shutdown()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises the signal once it has shut down; quill has already stopped
+        # cleanly by then, so it exits 0 instead of dying of the signal.
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+
+def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer:
+    """Load the engine (slow) and wrap it in an app and a server; nothing is bound yet."""
+    from quill.config import EngineConfig
+    from quill.engine.llm_engine import LLMEngine
+    from quill.server.async_engine import AsyncEngine
+    from quill.server.metrics import ServerMetrics
+
+    engine = LLMEngine(EngineConfig(model=args.model, seed=args.seed, **engine_options(args)))
+    names = args.served_model_name or [args.model or engine.model_path.name]
+    metrics = ServerMetrics(names[0])
+    ctx = ServerContext(
+        engine=AsyncEngine(engine, metrics),
+        metrics=metrics,
+        served_model_names=names,
+        api_key=args.api_key or None,
+        max_queued_requests=args.max_queued_requests,
+    )
+    config = uvicorn.Config(
+        build_app(ctx),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=not args.no_access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=10,  # a backstop: drained streams end within one step
+        timeout_keep_alive=5,
+    )
+    return QuillServer(config, ctx, announce)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Entry point of `quill serve`; returns the process exit code."""
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        print("quill serve: --max-queued-requests must be at least 1", file=sys.stderr)
+        return 2
+    print(f"quill: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    server = build_server(args)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,110 @@
+"""One real server for the whole server suite, on a free port, plus the offline engine.
+
+The server runs in-process (uvicorn in a thread, built by the same code as `quill serve`) so
+that tests can also reach inside it to inject faults; tests/server/test_server_cli.py starts
+the real command as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import API_KEY
+
+from quill.llm import LLM
+from quill.sampling_params import SamplingParams
+from quill.server.serve import QuillServer, add_serve_arguments, build_server
+
+SERVER_ARGS = [
+    "--dtype", "float32",
+    "--kv-cache-memory", "256MiB",
+    "--port", "0",
+    "--api-key", API_KEY,
+    "--max-queued-requests", "64",
+    "--log-level", "warning",
+    "--no-access-log",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def server() -> QuillServer:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    srv = build_server(parser.parse_args(SERVER_ARGS), announce=False)
+    thread = threading.Thread(target=srv.run, name="test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive(), "the server thread died while starting"
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield srv
+    srv.request_shutdown()
+    thread.join(30)
+    assert not thread.is_alive(), "the server did not shut down"
+
+
+@pytest.fixture(scope="session")
+def base_url(server: QuillServer) -> str:
+    return server.base_url
+
+
+@pytest.fixture(scope="session")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(base_url: str) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def model_name(server: QuillServer) -> str:
+    return server.ctx.model_name
+
+
+@pytest.fixture(scope="session")
+def offline() -> LLM:
+    """The offline engine: the independent reference for greedy outputs."""
+    return LLM(None, dtype="float32", kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def greedy(offline: LLM):
+    """greedy(prompts or conversations, max_tokens, chat=False) -> offline texts, batched."""
+
+    def run(inputs: list, max_tokens: int, chat: bool = False, **extra) -> list[str]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, **extra)
+        if chat:
+            outs = offline.chat(inputs, params, use_tqdm=False)
+        else:
+            outs = offline.generate(inputs, params, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+
+    return run
+
+
+@pytest.fixture
+def scrape(http: httpx.Client):
+    """scrape() -> {(sample name, frozenset(labels minus model_name)): value} from /metrics."""
+
+    def run() -> dict:
+        r = http.get("/metrics")
+        assert r.status_code == 200
+        values = {}
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
+                values[(s.name, labels)] = s.value
+        return values
+
+    return run

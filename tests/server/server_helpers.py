@@ -1,0 +1,23 @@
+"""Helpers shared by the server tests (imported by name: tests/server is on sys.path)."""
+
+from __future__ import annotations
+
+import time
+
+API_KEY = "test-key"
+
+
+def sample(values: dict, name: str, **labels) -> float:
+    return values.get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_until(condition, timeout: float = 30.0, interval: float = 0.05):
+    """Poll until condition() is truthy; a guard against hangs, not a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
