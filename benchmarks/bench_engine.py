@@ -14,7 +14,7 @@ import json
 import platform
 import statistics
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 
@@ -104,7 +104,7 @@ def main() -> None:
     llm = LLM(dtype=args.dtype, kv_cache_memory=1 << 30, compile=args.compile)
     dtype = llm.engine.dtype
     results: dict = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''} "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
         f"cpu capability {torch.backends.cpu.get_cpu_capability()}",
