@@ -73,9 +73,9 @@ def model_name(server: QuillServer) -> str:
 
 
 @pytest.fixture(scope="session")
-def offline() -> LLM:
-    """The offline engine: the independent reference for greedy outputs."""
-    return LLM(None, dtype="float32", kv_cache_memory=256 << 20)
+def offline(llm) -> LLM:
+    """The offline engine (tests/conftest.py's fp32 LLM): the reference for greedy outputs."""
+    return llm
 
 
 @pytest.fixture(scope="session")
