@@ -52,3 +52,19 @@ def hf_model(model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return model.eval()
+
+
+def write_tiny_config(directory, model_dir, hidden_size: int = 64) -> None:
+    """A 2-layer variant of the default model's config.json, for dummy-weight engines."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(
+        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+    )
+    (directory / "config.json").write_text(json.dumps(config))

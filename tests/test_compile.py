@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 from quill import LLM, SamplingParams
 from quill.model.compile import bucket_sizes
+from tests.conftest import write_tiny_config
 
 
 def test_bucket_sizes():
@@ -15,16 +14,7 @@ def test_bucket_sizes():
 
 def test_compiled_matches_eager(tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("QUILL_CACHE", str(tmp_path / "cache"))
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_tiny_config(tmp_path, model_dir, hidden_size=64)
     options = dict(
         load_format="dummy",
         dtype="float32",

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from quill import LLM, SamplingParams
 from quill.model.config import ModelConfig
 from quill.model.llama import rope_inv_freq
+from tests.conftest import write_tiny_config
 
 
 def test_gguf_weights_match_transformers_gguf_loader():
@@ -118,16 +117,7 @@ def test_llama3_rope_frequencies_match_transformers():
 
 
 def test_dummy_weights_from_config_alone(tmp_path, model_dir):
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(
-        num_hidden_layers=2,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-    )
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_tiny_config(tmp_path, model_dir, hidden_size=128)
     llm = LLM(
         str(tmp_path),
         load_format="dummy",
