@@ -214,11 +214,6 @@ class LLMEngine:
             queued = sum(1 for kind, _ in self._pending if kind == "add")
         return queued + self.scheduler.num_waiting
 
-    @property
-    def num_requests(self) -> int:
-        with self._lock:
-            return len(self._live_ids)
-
     # -- the step (engine thread) ------------------------------------------------------------
     def _drain_pending(self) -> list[RequestOutput]:
         outputs = []

@@ -48,9 +48,6 @@ class RequestMetrics:
             num_preemptions=request.num_preemptions,
         )
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 @dataclass
 class CompletionOutput:

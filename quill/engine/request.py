@@ -82,12 +82,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    def token_id_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return (
-            self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-        )
-
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from quill.errors import ModelLoadError
 
@@ -73,13 +71,6 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise ModelLoadError(f"no config.json in model directory {str(path)!r}")
-        return cls.from_hf_dict(json.loads(config_file.read_text()))
 
     @property
     def kv_bytes_per_token(self) -> int:
