@@ -6,42 +6,7 @@ import argparse
 import logging
 import sys
 
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument(
-        "--kv-cache-memory", type=_parse_bytes, default=None, help="bytes (e.g. 2GiB, 512MiB)"
-    )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--compile", action="store_true", help="torch.compile (slow start)")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        compile=args.compile,
-    )
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    lower = text.strip().lower()
-    for suffix, scale in units.items():
-        if lower.endswith(suffix):
-            return int(float(lower[: -len(suffix)]) * scale)
-    return int(lower)
+from quill.engine_args import add_engine_arguments, engine_options
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile with bucketed batch sizes (slow start, faster steps)
     seed: int = 0
     tokenizer: str | None = None
+    record_steps: str | None = None  # JSONL file: every step's plan composition and wall time
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

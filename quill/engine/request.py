@@ -56,6 +56,7 @@ class Request:
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    error: str | None = None  # why, when finish_reason is "error"
     times: RequestTimes = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

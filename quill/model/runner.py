@@ -1,4 +1,4 @@
-"""The model runner: the executor that turns a scheduler decision into sampled tokens.
+"""The model runner: the torch executor that turns a step plan into sampled tokens.
 
 It owns the model, the KV cache tensors and the sampler. Per step it lays the scheduled tokens
 out flat (no padding), builds the attention layout for the paged cache, runs one forward pass,
@@ -8,22 +8,15 @@ maps only the rows that sample to logits, and samples them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from quill.engine.scheduler import SchedulerOutput
+from quill.engine.plan import SeqPlan, StepPlan, StepResult
 from quill.model.attention import AttentionMetadata, ForwardContext, build_group, forward_context
 from quill.model.llama import LlamaForCausalLM
 from quill.model.sampler import Sampler, SampleResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    sampled: dict[str, int]
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
 
 
 class ModelRunner:
@@ -69,29 +62,27 @@ class ModelRunner:
         ]
         self.scratch_block = num_blocks
 
-    def free_request(self, request_id: str) -> None:
-        self.sampler.free(request_id)
-
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self.sampler.free(request_id)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        sample_requests = []
+        sampling: list[SeqPlan] = []
         decode, prefill = [], []  # (first flat index, q_len, context_len, block table)
         bs = self.block_size
-        for s in out.scheduled:
-            request, start, n = s.request, s.start, s.num_tokens
-            table = block_tables[request.request_id]
+        for s in plan.seqs:
+            start, n, table = s.start, len(s.token_ids), s.block_table
             first = len(input_ids)
-            input_ids.extend(request.token_ids_slice(start, start + n))
+            input_ids.extend(s.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             (decode if n == 1 else prefill).append((first, n, start + n, table))
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
-                sample_requests.append(request)
+                sampling.append(s)
 
         # Padding tokens (compiled runs only) write their keys to the scratch block, unread.
         num_padding = self.padded_size(len(input_ids)) - len(input_ids)
@@ -113,11 +104,9 @@ class ModelRunner:
             return StepResult({}, {})
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])
-        result: SampleResult = self.sampler(logits, sample_requests)
-        sampled = {r.request_id: t for r, t in zip(sample_requests, result.token_ids)}
-        logprobs = {
-            r.request_id: lp for r, lp in zip(sample_requests, result.logprobs) if lp is not None
-        }
+        result: SampleResult = self.sampler(logits, sampling)
+        sampled = {s.request_id: t for s, t in zip(sampling, result.token_ids)}
+        logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs) if lp is not None}
         return StepResult(sampled, logprobs)
 
     def _group(self, seqs: list[tuple[int, int, int, list[int]]]):

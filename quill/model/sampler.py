@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quill.engine.request import Request
+from quill.engine.plan import SeqPlan
 
 
 @dataclass
@@ -33,14 +33,14 @@ class Sampler:
     def free(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
 
-    def _generator_for(self, request: Request) -> torch.Generator:
+    def _generator_for(self, request: SeqPlan) -> torch.Generator:
         gen = self.request_generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
             self.request_generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, requests: list[SeqPlan]) -> SampleResult:
         logits = logits.float()
         params = [r.sampling_params for r in requests]
         raw_logits = logits
@@ -53,7 +53,7 @@ class Sampler:
         token_list = tokens.tolist()
         return SampleResult(token_list, compute_logprobs(raw_logits, tokens, params))
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
         greedy = torch.tensor([p.greedy for p in params], device=device)
@@ -89,17 +89,19 @@ def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Repetition (over prompt and output, as in transformers), presence and frequency (output)."""
+def apply_penalties(logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
+    """Repetition (over prompt and output, as in transformers), presence and frequency (output).
+
+    Rows without penalties carry no token history (None), which counts as none.
+    """
     device = logits.device
     rows, vocab = logits.shape
     params = [r.sampling_params for r in requests]
-    max_out = max((len(r.output_token_ids) for r in requests), default=0)
+    outputs = [r.output_token_ids or [] for r in requests]
+    max_out = max((len(o) for o in outputs), default=0)
     out_counts = torch.zeros(rows, vocab + 1, device=device)
     if max_out:
-        padded = [
-            r.output_token_ids + [vocab] * (max_out - len(r.output_token_ids)) for r in requests
-        ]
+        padded = [o + [vocab] * (max_out - len(o)) for o in outputs]
         ids = torch.tensor(padded, device=device)
         out_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=out_counts.dtype))
     out_counts = out_counts[:, :vocab]

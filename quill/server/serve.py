@@ -16,7 +16,7 @@ import sys
 
 import uvicorn
 
-from quill.cli import add_engine_arguments, engine_options
+from quill.engine_args import add_engine_arguments, engine_options
 from quill.server.app import build_app
 from quill.server.context import ServerContext
 

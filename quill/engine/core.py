@@ -1,0 +1,232 @@
+"""The engine core: queue, schedule, execute a step plan, apply the result. No torch.
+
+The core does not know whether a model is real. It is handed an executor (the torch model
+runner, or the simulator's cost-model executor) and a clock (wall or virtual), so the same loop
+serves requests and simulates traffic, and the timings it stamps on requests mean the same in
+both. Text (tokenizing, detokenizing, stop strings) lives in the front end around it.
+
+`add_request` and `abort_request` are safe from other threads: they queue the change for the
+next step. `step` runs in one thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from quill.engine.clock import WallClock
+from quill.engine.plan import Executor, SeqPlan, StepPlan, StepResult
+from quill.engine.request import Request
+from quill.engine.scheduler import Scheduler, SchedulerOutput
+from quill.errors import InvalidRequestError
+from quill.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What one step did; the server turns these into Prometheus metrics."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_requests: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    duration: float
+    plan: StepPlan | None = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass
+class CoreOutput:
+    """A step's effect on requests. A request that got its last token is in both lists."""
+
+    advanced: list[Request] = field(default_factory=list)  # got a new token this step
+    finished: list[Request] = field(default_factory=list)  # ended (any reason, errors too)
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+
+
+class EngineCore:
+    """Continuous batching around one executor; see the scheduler for the policy."""
+
+    def __init__(
+        self, scheduler: Scheduler, executor: Executor, clock=None, step_listeners=()
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock or WallClock()
+        # Told of every step run, after it ran: `.on_step(plan, start, end)` (recorders, costs).
+        self.step_listeners = list(step_listeners)
+        self._pending: deque[tuple[str, object]] = deque()
+        self._lock = threading.Lock()
+        self._live_ids: set[str] = set()
+        self._ended_ids: list[str] = []  # for the next plan's finished_request_ids
+        self._next_step_id = 0
+        self.last_step: StepStats | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    # -- requests (any thread) -------------------------------------------------------------
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The reply's token limit: as asked, or what is left of the context; errors if neither."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        room = self.max_model_len - num_prompt_tokens
+        if room <= 0:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt_tokens} tokens but the model's context is "
+                f"{self.max_model_len} tokens",
+                param="prompt",
+            )
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + params.max_tokens} tokens "
+                f"({num_prompt_tokens} in the prompt, {params.max_tokens} in the completion).",
+                param="max_tokens",
+            )
+        return params.max_tokens
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request for the next step; raises InvalidRequestError."""
+        kv = self.scheduler.kv
+        if not kv.can_ever_fit(request.num_prompt_tokens + 1):
+            raise InvalidRequestError(
+                f"prompt of {request.num_prompt_tokens} tokens can never fit in the KV cache "
+                f"({kv.num_blocks * kv.block_size} tokens)",
+                param="prompt",
+            )
+        with self._lock:
+            if request.request_id in self._live_ids:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            self._live_ids.add(request.request_id)
+            self._pending.append(("add", request))
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._pending.append(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Requests waiting for their first step: queued adds plus the scheduler's waiting."""
+        with self._lock:
+            queued = sum(1 for kind, _ in self._pending if kind == "add")
+        return queued + self.scheduler.num_waiting
+
+    # -- the step (engine thread) ------------------------------------------------------------
+    def finish_request(
+        self, request_id: str, reason: str, stop_reason=None, error: str | None = None
+    ) -> Request | None:
+        """End a request now (a stop string found by the front end, an abort, an error)."""
+        request = self.scheduler.finish_request(request_id, reason, stop_reason)
+        if request is not None:
+            self._ended(request, error)
+        return request
+
+    def _ended(self, request: Request, error: str | None = None) -> None:
+        request.times.finished = self.clock.now()
+        request.error = error
+        self._ended_ids.append(request.request_id)
+        with self._lock:
+            self._live_ids.discard(request.request_id)
+
+    def _drain_pending(self, out: CoreOutput) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                kind, item = self._pending.popleft()
+            if kind == "add":
+                self.scheduler.add_request(item)
+            else:
+                request = self.finish_request(item, "abort")
+                if request is not None:
+                    out.finished.append(request)
+
+    def step(self) -> CoreOutput:
+        """One pass of the model over whatever the scheduler picks."""
+        out = CoreOutput()
+        self._drain_pending(out)
+        start = self.clock.now()
+        sched = self.scheduler.schedule(start)
+        for request in sched.finished:
+            self._ended(request)
+            out.finished.append(request)
+        if sched.is_empty:
+            return out
+        plan = self.make_plan(sched)
+        try:
+            result: StepResult = self.executor.execute(plan)
+        except Exception as e:  # one bad step must not take the engine down
+            log.exception("step failed; failing its %d requests", len(sched.scheduled))
+            for s in sched.scheduled:
+                request = self.finish_request(
+                    s.request.request_id, "error", error=f"{type(e).__name__}: {e}"
+                )
+                if request is not None:
+                    out.finished.append(request)
+            return out
+        end = self.clock.now()
+        advanced, finished = self.scheduler.update(sched, result.sampled, end)
+        for request in finished:
+            self._ended(request)
+        out.advanced += advanced
+        out.finished += finished
+        out.logprobs = result.logprobs
+        num_decode = plan.num_decode_tokens
+        self.last_step = StepStats(
+            num_prefill_tokens=plan.num_tokens - num_decode,
+            num_decode_tokens=num_decode,
+            num_scheduled_requests=len(plan.seqs),
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.scheduler.kv.usage,
+            num_preemptions=len(sched.preempted),
+            duration=end - start,
+            plan=plan,
+        )
+        for listener in self.step_listeners:
+            listener.on_step(plan, start, end)
+        return out
+
+    def make_plan(self, sched: SchedulerOutput) -> StepPlan:
+        """The scheduler's decision as plain data (block tables copied: they grow later)."""
+        tables = self.scheduler.kv.block_tables
+        seqs = []
+        for s in sched.scheduled:
+            request = s.request
+            params = request.sampling_params
+            samples = s.samples
+            history = samples and params.uses_penalties
+            seqs.append(
+                SeqPlan(
+                    request.request_id,
+                    request.token_ids_slice(s.start, s.start + s.num_tokens),
+                    s.start,
+                    request.num_prompt_tokens,
+                    list(tables[request.request_id]),
+                    samples,
+                    params if samples else None,
+                    request.prompt_token_ids if history else None,
+                    list(request.output_token_ids) if history else None,
+                )
+            )
+        ended, self._ended_ids = self._ended_ids, []
+        plan = StepPlan(self._next_step_id, seqs, ended)
+        self._next_step_id += 1
+        return plan

@@ -1,0 +1,111 @@
+"""The step plan: the one description of a step that crosses from the engine to whatever runs it.
+
+The engine core decides; an executor does. Between them passes only a `StepPlan`: plain data
+(ids, token ids, positions, block tables, sampling parameters) that serialises to JSON. The
+torch model runner executes it, the cost model prices it, the simulator advances virtual time by
+that price, and a prefill process can later send it to a decode process. Because every consumer
+reads the same plan, what counts as prefill and what counts as decode is defined once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from quill.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SeqPlan:
+    """One request's share of a step: compute `token_ids` at positions `start`, `start + 1`, ..."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int  # the request's num_computed_tokens before the step
+    num_prompt_tokens: int
+    block_table: list[int]  # KV blocks holding positions 0 .. context_len - 1
+    samples: bool  # the step reaches the request's last token, so it yields a new token
+    sampling_params: SamplingParams | None = None  # set when `samples`
+    # The token history, sent only when a penalty needs it (they grow with every token).
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens whose keys and values this request's attention reads after the step."""
+        return self.start + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """The one definition: a decode computes exactly one token, one that follows the prompt.
+
+        Everything else (prompt chunks, and the recomputation of a preempted request's prompt
+        and output) is prefill.
+        """
+        return len(self.token_ids) == 1 and self.start >= self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return not self.is_decode
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything an executor needs for one pass through the model."""
+
+    step_id: int
+    seqs: list[SeqPlan]
+    # Requests that ended since the previous plan: executors drop any state they keep for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for s in self.seqs if s.samples)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepPlan:
+        seqs = []
+        for s in d["seqs"]:
+            s = dict(s)
+            if s.get("sampling_params") is not None:
+                s["sampling_params"] = SamplingParams(**s["sampling_params"])
+            seqs.append(SeqPlan(**s))
+        return cls(d["step_id"], seqs, list(d.get("finished_request_ids", [])))
+
+
+@dataclass
+class StepResult:
+    """What an executor returns: one token per sampling request, and logprobs where asked."""
+
+    sampled: dict[str, int]
+    # request id -> (chosen token's logprob, [(token id, logprob)] of the top n)
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    """Runs step plans: the torch model runner, or the simulator's cost-model executor."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...

@@ -1,0 +1,62 @@
+"""The engine's command-line flags, shared by every command that builds an engine.
+
+Kept apart from `quill.cli` so that the server (and the simulator) can take the same flags
+without importing the command dispatcher that imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
+    add_scheduler_arguments(parser)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="torch.compile (slow start)")
+    parser.add_argument(
+        "--record-steps",
+        default=None,
+        metavar="FILE",
+        help="append every step's composition and wall time to FILE (JSONL)",
+    )
+
+
+def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags the scheduler reads; the simulator takes exactly these too."""
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default=None, help="bytes (e.g. 2GiB, 512MiB)"
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        compile=args.compile,
+        record_steps=args.record_steps,
+    )
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a plain number of bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lower = text.strip().lower()
+    try:
+        for suffix, scale in units.items():
+            if lower.endswith(suffix):
+                return int(float(lower[: -len(suffix)]) * scale)
+        return int(float(lower))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None

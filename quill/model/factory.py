@@ -1,0 +1,117 @@
+"""Builds what runs the steps: loads the model, sizes the KV pool, makes the torch executor.
+
+The engine core takes an executor and a pool size and nothing else; everything that needs torch
+to decide (device, dtype, free memory, the model's KV bytes per block) is settled here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quill.config import EngineConfig
+from quill.engine.tokenizer import Tokenizer
+from quill.errors import InvalidRequestError
+from quill.model.config import ModelConfig
+from quill.model.loader import load_model, resolve_device, resolve_dtype
+from quill.model.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelExecutor:
+    """A loaded model ready to execute plans, with what the engine must know about it."""
+
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    model_path: Path
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    token_budget: int
+    num_blocks: int
+
+
+def build_model_executor(config: EngineConfig) -> ModelExecutor:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.model is None:
+        from quill.model.default_model import default_model_dir
+
+        model_path = default_model_dir()
+    else:
+        model_path = Path(config.model).expanduser()
+    loaded = load_model(model_path, config.load_format, dtype, device)
+    tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source
+    tokenizer = Tokenizer.load(tok_source, loaded.config.eos_token_ids)
+    ctx = loaded.config.max_position_embeddings
+    max_model_len = min(config.max_model_len or ctx, ctx)
+    budget = config.max_num_batched_tokens or (512 if device.type == "cpu" else 8192)
+    runner = ModelRunner(loaded.model, device, dtype, config.block_size, config.seed)
+    num_blocks = _num_kv_blocks(config, runner, device, max_model_len)
+    runner.allocate_kv_cache(num_blocks)
+    if config.compile:
+        from quill.model.compile import compile_runner
+
+        compile_runner(runner, budget)
+    _log_pool(config.block_size, num_blocks, runner.kv_bytes_per_block(), dtype, max_model_len)
+    return ModelExecutor(
+        runner,
+        tokenizer,
+        loaded.config,
+        model_path,
+        device,
+        dtype,
+        max_model_len,
+        budget,
+        num_blocks,
+    )
+
+
+def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, device, max_model_len: int) -> int:
+    per_block = runner.kv_bytes_per_block()
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * 0.85)
+    else:
+        budget = min(int(_available_memory() * 0.25), 4 << 30)
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    # No point holding more than every allowed sequence at full context.
+    num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
+    if num_blocks < 1:
+        raise InvalidRequestError(
+            f"kv_cache_memory {budget} bytes holds no block of {per_block} bytes",
+            param="kv_cache_memory",
+        )
+    return int(num_blocks)
+
+
+def _log_pool(block_size: int, num_blocks: int, per_block: int, dtype, max_model_len: int) -> None:
+    log.info(
+        "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); "
+        "%.1f sequences of full context (%d tokens) fit",
+        num_blocks,
+        block_size,
+        num_blocks * block_size,
+        num_blocks * per_block / (1 << 30),
+        dtype,
+        num_blocks * block_size / max_model_len,
+        max_model_len,
+    )
+
+
+def _available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
