@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where quill keeps what it made once: converted models, compiled code, calibrations."""
+    return Path(os.environ.get("QUILL_CACHE", Path.home() / ".cache" / "quill"))
 
 
 @dataclass
@@ -22,6 +29,10 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     record_steps: str | None = None  # JSONL file: every step's plan composition and wall time
+    # The cost model's hardware: a preset or a `quill cost calibrate` file; default: this
+    # machine's calibration when one was saved, else FLOPs and bytes only (no times, no $).
+    hardware: str | None = None
+    price_per_hour: float | None = None  # USD, to put a price on every request
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -37,5 +48,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.price_per_hour is not None and not self.price_per_hour > 0:
+            raise ValueError(f"price_per_hour must be positive, got {self.price_per_hour}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")

@@ -22,6 +22,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="append every step's composition and wall time to FILE (JSONL)",
     )
+    parser.add_argument(
+        "--hardware",
+        default=None,
+        help="cost model hardware: a preset or a `quill cost calibrate` file "
+        "(default: this machine's saved calibration, if any)",
+    )
+    parser.add_argument(
+        "--price-per-hour", type=float, default=None, help="USD per hour, to price requests"
+    )
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +55,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         compile=args.compile,
         record_steps=args.record_steps,
+        hardware=args.hardware,
+        price_per_hour=args.price_per_hour,
     )
 
 

@@ -51,7 +51,8 @@ class LLMEngine:
         self.max_model_len = built.max_model_len
         kv = KVCacheManager(built.num_blocks, config.block_size)
         scheduler = Scheduler(kv, built.token_budget, config.max_num_seqs, self.max_model_len)
-        listeners = []
+        self.accountant = _make_accountant(config, built)
+        listeners = [self.accountant]
         if config.record_steps:
             from quill.engine.record import StepRecorder
 
@@ -155,7 +156,9 @@ class LLMEngine:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:  # ended before it produced a token
             tracked = _Tracked(request, IncrementalDetokenizer(self.tokenizer, [], []), None)
-        return self._output(tracked, request.error)
+        output = self._output(tracked, request.error)
+        self.accountant.take(request.request_id)
+        return output
 
     def _output(self, tracked: _Tracked, error: str | None = None) -> RequestOutput:
         request = tracked.request
@@ -182,6 +185,29 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=finished,
-            metrics=RequestMetrics.of(request),
+            metrics=RequestMetrics.of(request, self.accountant.peek(request.request_id)),
             error=error,
         )
+
+
+def _make_accountant(config: EngineConfig, built):
+    """Prices every step on the configured hardware, or this machine's saved calibration."""
+    from quill.cost.hardware import HardwareSpec
+    from quill.cost.live import CostAccountant, find_calibration
+    from quill.cost.model import ModelSpec
+    from quill.cost.step import CostModel
+
+    model = ModelSpec.from_hf_config(built.hf_config, bytes_per_param=built.dtype.itemsize)
+    dtype = str(built.dtype).removeprefix("torch.")
+    if config.hardware is not None:
+        hardware = HardwareSpec.resolve(config.hardware)
+    else:
+        hardware = find_calibration(dtype)
+    if hardware is None:
+        log.info(
+            "cost: no hardware spec (--hardware, or run `quill cost calibrate` once); requests "
+            "get FLOPs and bytes, steps get no roofline efficiency"
+        )
+        return CostAccountant(model, None, config.price_per_hour)
+    log.info("cost: pricing steps on %s", hardware.name)
+    return CostAccountant(model, CostModel(model, hardware), config.price_per_hour)

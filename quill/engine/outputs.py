@@ -25,9 +25,14 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    # The request's share of what its steps cost (see quill.cost.live): its own FLOPs, its KV
+    # traffic plus an even share of each weight read it shared; dollars with a price per hour.
+    flops: float | None = None
+    bytes_moved: float | None = None
+    cost_usd: float | None = None
 
     @classmethod
-    def of(cls, request: Request) -> RequestMetrics:
+    def of(cls, request: Request, cost=None) -> RequestMetrics:
         t = request.times
 
         def since(a, b):
@@ -46,6 +51,9 @@ class RequestMetrics:
             num_prompt_tokens=request.num_prompt_tokens,
             num_generation_tokens=request.num_output_tokens,
             num_preemptions=request.num_preemptions,
+            flops=cost.flops if cost else None,
+            bytes_moved=cost.bytes_moved if cost else None,
+            cost_usd=cost.cost_usd if cost else None,
         )
 
 

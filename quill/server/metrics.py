@@ -23,6 +23,10 @@ _ITL_BUCKETS = (
     0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_STEP_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
+)  # fmt: skip
+_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5)
 
 
 class ServerMetrics:
@@ -103,6 +107,36 @@ class ServerMetrics:
                 registry=r,
             )
         )
+        # The cost model beside the measurement (only when the engine has a hardware spec).
+        self.step_predicted = one(
+            hist("step_predicted_seconds", "Cost model's price of each step.", _STEP_BUCKETS)
+        )
+        self.step_measured = one(
+            hist("step_measured_seconds", "Measured wall time of each step.", _STEP_BUCKETS)
+        )
+        self.step_efficiency = one(
+            hist(
+                "step_roofline_efficiency",
+                "Roofline bound / measured step time (1 = at the hardware's floor).",
+                _FRACTION_BUCKETS,
+            )
+        )
+        self.mfu = one(
+            Gauge(
+                "quill:model_flops_utilization",
+                "Last step's FLOPs / (time x the hardware's peak FLOP/s).",
+                labels,
+                registry=r,
+            )
+        )
+        self.mbu = one(
+            Gauge(
+                "quill:model_bandwidth_utilization",
+                "Last step's bytes moved / (time x the hardware's memory bandwidth).",
+                labels,
+                registry=r,
+            )
+        )
         self._success = Counter(
             "quill:request_success",
             "Finished requests by finish reason.",
@@ -120,10 +154,20 @@ class ServerMetrics:
         num_running: int,
         num_waiting: int,
         kv_usage: float,
+        priced=None,
+        utilization: tuple[float, float] | None = None,
     ) -> None:
-        """Record one step. `num_batched_tokens` is None when the step ran no model pass."""
+        """Record one step. `num_batched_tokens` is None when the step ran no model pass;
+        `priced` (a quill.cost.live.PricedStep) is given when the step was priced."""
         if num_batched_tokens is not None:
             self.iteration_tokens.observe(num_batched_tokens)
+        if priced is not None:
+            self.step_predicted.observe(priced.cost.predicted_s)
+            self.step_measured.observe(priced.measured_s)
+            self.step_efficiency.observe(priced.roofline_efficiency)
+            if utilization is not None:
+                self.mfu.set(utilization[0])
+                self.mbu.set(utilization[1])
         if num_preemptions:
             self.preemptions.inc(num_preemptions)
         self.running.set(num_running)

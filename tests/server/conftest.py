@@ -33,10 +33,21 @@ SERVER_ARGS = [
 
 
 @pytest.fixture(scope="session")
-def server() -> QuillServer:
+def hardware_file(tmp_path_factory):
+    """A hand-made spec of 'this machine' for the live cost metrics: 100 GFLOP/s, 10 GB/s."""
+    from quill.cost.hardware import HardwareSpec
+
+    path = tmp_path_factory.mktemp("hardware") / "cpu.json"
+    HardwareSpec("test-cpu", {"float32": 1e11}, 1e10, 24e9, price_per_hour=36.0).save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(hardware_file) -> QuillServer:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    srv = build_server(parser.parse_args(SERVER_ARGS), announce=False)
+    args = SERVER_ARGS + ["--hardware", str(hardware_file)]
+    srv = build_server(parser.parse_args(args), announce=False)
     thread = threading.Thread(target=srv.run, name="test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -22,7 +22,15 @@ def test_metric_names_and_types(http):
     families = {f.name: f.type for f in text_string_to_metric_families(r.text)}
     for name in HISTOGRAMS:
         assert families[f"quill:{name}"] == "histogram", name
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+    for name in ("step_predicted_seconds", "step_measured_seconds", "step_roofline_efficiency"):
+        assert families[f"quill:{name}"] == "histogram", name
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "model_flops_utilization",
+        "model_bandwidth_utilization",
+    ):
         assert families[f"quill:{name}"] == "gauge", name
     for name in ("num_preemptions", "prompt_tokens", "generation_tokens", "request_success"):
         assert families[f"quill:{name}"] == "counter", name
@@ -67,3 +75,25 @@ def test_counters_rise_by_known_amounts(client, scrape, model_name):
     )
     assert rise("quill:iteration_tokens_total_sum") >= prompt_tokens
     assert sample(after, "quill:num_requests_running") == 0
+
+
+def test_steps_priced_beside_their_measured_time(client, scrape, model_name):
+    before = scrape()
+    comp = client.completions.create(
+        model=model_name, prompt="Count: 1, 2,", max_tokens=4, temperature=0
+    )
+    after = scrape()
+    steps = sample(after, "quill:step_measured_seconds_count") - sample(
+        before, "quill:step_measured_seconds_count"
+    )
+    assert steps >= comp.usage.completion_tokens  # one step per token at least
+    for name in ("step_predicted_seconds", "step_roofline_efficiency"):
+        rise = sample(after, f"quill:{name}_count") - sample(before, f"quill:{name}_count")
+        assert rise == steps, name
+    # Each step's floor is below its measured time on a spec this modest, so 0 < efficiency.
+    assert 0 < sample(after, "quill:model_bandwidth_utilization")
+    assert 0 < sample(after, "quill:model_flops_utilization")
+    metrics = comp.model_extra["metrics"]
+    assert metrics["flops"] > 0 and metrics["bytes_moved"] > 0
+    # $36/h is 1 cent a second: the request paid for at most every second it was in a step.
+    assert 0 < metrics["cost_usd"] <= 0.01 * metrics["e2e_latency"]
