@@ -1,4 +1,4 @@
-"""The `quill` command: generate, chat, serve."""
+"""The `quill` command: generate, chat, serve, cost (and calibrate), simulate."""
 
 from __future__ import annotations
 
@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     if add_serve_arguments is not None:
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
+
+    from quill.cost.cli import add_cost_parser
+
+    add_cost_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(

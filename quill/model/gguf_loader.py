@@ -9,8 +9,25 @@ import numpy as np
 import torch
 
 from quill.errors import ModelLoadError
+from quill.model.gguf_config import (
+    GGUF_ARCHITECTURES,
+    _dequantize,
+    _field,
+    gguf_architecture,
+    gguf_hf_config,
+    open_gguf,
+)
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# The metadata readers live in the torch-free gguf_config; re-exported for existing callers.
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "_field",
+    "gguf_architecture",
+    "gguf_hf_config",
+    "gguf_tensors",
+    "load_gguf_tokenizer",
+    "open_gguf",
+]
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -28,73 +45,6 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-
-def open_gguf(path: str | Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises bare ValueErrors on foreign files
-        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file: {e}") from e
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_architecture(reader) -> str:
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r}; quill reads {sorted(GGUF_ARCHITECTURES)}"
-        )
-    return arch
-
-
-def gguf_hf_config(reader) -> dict:
-    """The Hugging Face config.json equivalent of a GGUF file's metadata."""
-    arch = gguf_architecture(reader)
-
-    def get(key: str, default=None):
-        return _field(reader, f"{arch}.{key}", default)
-
-    tensor_names = {t.name for t in reader.tensors}
-    num_heads = get("attention.head_count")
-    hidden = get("embedding_length")
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": int(vocab),
-        "hidden_size": int(hidden),
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": int(num_heads),
-        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
-        "head_dim": int(get("rope.dimension_count", hidden // num_heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "bfloat16",
-    }
-    if "rope_freqs.weight" in tensor_names:  # Llama 3.1 style: per-frequency divisors
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        config["rope_scaling"] = {
-            "rope_type": "freq_factors",
-            "factors": [float(x) for x in _dequantize(t)],
-        }
-    return config
-
-
-def _dequantize(tensor) -> np.ndarray:
-    from gguf.quants import dequantize
-
-    return dequantize(tensor.data, tensor.tensor_type)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

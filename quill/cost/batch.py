@@ -1,0 +1,95 @@
+"""The shape of one step, reduced to the handful of counts its cost depends on.
+
+The engine's plans, the simulator's and a person's "B prompts of l tokens" all become the same
+BatchShape, so one pricing function serves them all and never needs torch or the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """Counts for one pass. Attention is causal: a chunk of n tokens starting at position
+    `start` attends to n*start + n*(n+1)//2 (query, key) pairs, and its sequence reads its
+    whole context (start + n tokens) of KV cache once per layer."""
+
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    attention_pairs: int
+    kv_tokens_read: int
+    kv_tokens_written: int
+
+    @classmethod
+    def from_seqs(cls, seqs: Iterable[tuple[int, int, bool, bool]]) -> BatchShape:
+        """From (start, num_tokens, samples, is_decode) per scheduled sequence."""
+        tokens = seqs_n = sampled = prefill = decode = pairs = read = 0
+        for start, n, samples, is_decode in seqs:
+            if start < 0 or n < 1:
+                raise ValueError(
+                    f"a sequence needs start >= 0 and num_tokens >= 1, got {start}, {n}"
+                )
+            tokens += n
+            seqs_n += 1
+            sampled += bool(samples)
+            if is_decode:
+                decode += n
+            else:
+                prefill += n
+            pairs += n * start + n * (n + 1) // 2
+            read += start + n
+        return cls(tokens, seqs_n, sampled, prefill, decode, pairs, read, tokens)
+
+    @classmethod
+    def abstract(
+        cls,
+        prefill: Iterable[tuple[int, int]] = (),
+        decode: Iterable[int] = (),
+    ) -> BatchShape:
+        """Prefill chunks as (chunk_tokens, cached_context), each sampling one token (the chunk
+        ends its prompt); decodes as the context length before their one token, each sampling."""
+        seqs = [(cached, n, True, False) for n, cached in prefill]
+        seqs += [(context, 1, True, True) for context in decode]
+        return cls.from_seqs(seqs)
+
+    @classmethod
+    def prefills(cls, batch: int, tokens: int, cached: int = 0) -> BatchShape:
+        """`batch` identical prompt chunks of `tokens` after `cached` tokens, in O(1)."""
+        if batch < 1 or tokens < 1 or cached < 0:
+            raise ValueError(
+                f"need batch >= 1, tokens >= 1, cached >= 0: {batch}, {tokens}, {cached}"
+            )
+        pairs = batch * (tokens * cached + tokens * (tokens + 1) // 2)
+        total = batch * tokens
+        return cls(total, batch, batch, total, 0, pairs, batch * (cached + tokens), total)
+
+    @classmethod
+    def decodes(cls, batch: int, context: int) -> BatchShape:
+        """`batch` decodes, each one token after `context` tokens, in O(1)."""
+        if batch < 1 or context < 0:
+            raise ValueError(f"need batch >= 1 and context >= 0, got {batch}, {context}")
+        per_seq = context + 1
+        return cls(batch, batch, batch, 0, batch, batch * per_seq, batch * per_seq, batch)
+
+    @classmethod
+    def from_plan(cls, plan) -> BatchShape:
+        """From the engine's StepPlan (duck-typed: `plan.seqs` items have start, num_tokens,
+        samples, is_decode). Runs once per simulated step, so it is one plain loop."""
+        tokens = seqs_n = sampled = decode = pairs = read = 0
+        for s in plan.seqs:
+            start = s.start
+            n = s.num_tokens
+            tokens += n
+            seqs_n += 1
+            if s.samples:
+                sampled += 1
+            if s.is_decode:
+                decode += n
+            pairs += n * start + (n * (n + 1) >> 1)
+            read += start + n
+        return cls(tokens, seqs_n, sampled, tokens - decode, decode, pairs, read, tokens)

@@ -1,0 +1,91 @@
+"""Live costs: every step priced beside its measured time, every request charged its share."""
+
+from __future__ import annotations
+
+import pytest
+
+from quill import SamplingParams
+from quill.cost.hardware import HardwareSpec
+from quill.cost.live import CostAccountant, find_calibration
+from quill.cost.model import ModelSpec
+from quill.cost.step import CostModel
+from quill.engine.plan import SeqPlan, StepPlan
+
+# SmolLM2-135M by hand: 30 layers of q/k/v/o (576x576, 2 x 576x192, 576x576) and a 3 x 576x1536
+# MLP; the tied 49152 x 576 embedding maps sampled rows to logits; 9 heads of 64.
+LAYER_LINEAR_PARAMS = 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+LM_HEAD_PARAMS = 576 * 49152
+ATTENTION_FLOPS_PER_PAIR = 4 * 30 * 9 * 64
+
+
+def request_flops(num_prompt: int, num_output: int) -> int:
+    """A request's FLOPs over its life: every token but the last goes through the layers once,
+    every output token is sampled once, and token p attends to p + 1 keys."""
+    tokens = num_prompt + num_output - 1
+    pairs = tokens * (tokens + 1) // 2
+    return (
+        2 * LAYER_LINEAR_PARAMS * tokens
+        + 2 * LM_HEAD_PARAMS * num_output
+        + ATTENTION_FLOPS_PER_PAIR * pairs
+    )
+
+
+def test_request_flops_do_not_depend_on_batching(llm):
+    prompts = [[11] * 40, [12] * 7, [13] * 25]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    scheduler = llm.engine.scheduler
+    for budget in (16, 512):  # chunked into pieces, or each prompt in one pass
+        saved, scheduler.token_budget = scheduler.token_budget, budget
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            scheduler.token_budget = saved
+        for prompt, out in zip(prompts, outs):
+            assert out.metrics.flops == request_flops(len(prompt), 6)
+            assert out.metrics.bytes_moved > 0 and out.metrics.cost_usd is None
+    assert llm.engine.accountant.charges == {}  # nothing left behind once requests end
+
+
+def _plan() -> StepPlan:
+    seqs = [
+        SeqPlan("a", [1], 10, 10, [0], True),  # a decode after 10 tokens
+        SeqPlan("b", [1] * 6, 0, 6, [1], True),  # a whole 6-token prompt
+        SeqPlan("c", [1] * 4, 4, 12, [2], False),  # a middle chunk: samples nothing
+    ]
+    return StepPlan(0, seqs)
+
+
+def test_shares_add_up_to_the_step_and_split_the_weights():
+    model = ModelSpec.preset("SmolLM2-135M")
+    hardware = HardwareSpec("test", {"bfloat16": 1e12}, 1e11, 64e9, price_per_hour=3600.0)
+    cost_model = CostModel(model, hardware)
+    accountant = CostAccountant(model, cost_model)
+    accountant.on_step(_plan(), 1.0, 1.5)  # measured 0.5 s at $1/s
+    step = accountant.last.cost
+    charges = accountant.charges
+    assert sum(c.flops for c in charges.values()) == pytest.approx(step.flops)
+    assert sum(c.bytes_moved for c in charges.values()) == pytest.approx(step.bytes_moved)
+    assert sum(c.cost_usd for c in charges.values()) == pytest.approx(0.5)
+    # Hand-worked: "a" is one token at position 10, sampled: attends 11 keys; reads 11 tokens
+    # of KV and writes 1; a third of the weights (its batch has three sequences).
+    kv_per_token = 2 * 30 * 3 * 64 * 2
+    assert charges["a"].flops == 2 * LAYER_LINEAR_PARAMS + 2 * LM_HEAD_PARAMS + 11 * 69120
+    weight_bytes = 2 * (LAYER_LINEAR_PARAMS + LM_HEAD_PARAMS + 30 * 2 * 576 + 576)
+    assert charges["a"].bytes_moved == pytest.approx(
+        weight_bytes / 3 + 12 * kv_per_token + model.activation_bytes(1, 1)
+    )
+    # The step is movement-bound here, so dollars follow bytes.
+    assert step.bound == "movement"
+    assert charges["a"].cost_usd == pytest.approx(0.5 * charges["a"].bytes_moved / step.bytes_moved)
+    mfu, mbu = accountant.utilization(accountant.last)
+    assert mfu == pytest.approx(step.flops / (0.5 * 1e12))
+    assert mbu == pytest.approx(step.bytes_moved / (0.5 * 1e11))
+    assert accountant.last.roofline_efficiency == pytest.approx(step.roofline_s / 0.5)
+
+
+def test_saved_calibration_is_found_by_dtype(tmp_path):
+    spec = HardwareSpec("this-cpu", {"float32": 1e11}, 1e10, 8e9)
+    spec.save(tmp_path / "cpu-float32.json")
+    assert find_calibration("float32", tmp_path).name == "this-cpu"
+    assert find_calibration("bfloat16", tmp_path) is None
+    assert find_calibration("float32", tmp_path / "missing") is None
