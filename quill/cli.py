@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_cost_parser(sub)
 
+    from quill.sim.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -208,22 +208,24 @@ class EngineCore:
         """The scheduler's decision as plain data (block tables copied: they grow later)."""
         tables = self.scheduler.kv.block_tables
         seqs = []
-        for s in sched.scheduled:
+        append = seqs.append
+        for s in sched.scheduled:  # once per scheduled request per step: kept lean
             request = s.request
-            params = request.sampling_params
+            start = s.start
             samples = s.samples
+            params = request.sampling_params if samples else None
             history = samples and params.uses_penalties
-            seqs.append(
+            append(
                 SeqPlan(
                     request.request_id,
-                    request.token_ids_slice(s.start, s.start + s.num_tokens),
-                    s.start,
-                    request.num_prompt_tokens,
-                    list(tables[request.request_id]),
+                    request.token_ids_slice(start, start + s.num_tokens),
+                    start,
+                    len(request.prompt_token_ids),
+                    tables[request.request_id][:],
                     samples,
-                    params if samples else None,
+                    params,
                     request.prompt_token_ids if history else None,
-                    list(request.output_token_ids) if history else None,
+                    request.output_token_ids[:] if history else None,
                 )
             )
         ended, self._ended_ids = self._ended_ids, []

@@ -27,15 +27,23 @@ class RequestTimes:
     num_itl: int = 0
     itl_sum: float = 0.0
     itl_max: float = 0.0
+    # When set, every gap is also counted here (gap -> count), for exact percentiles over all
+    # gaps; the simulator shares one map between its requests.
+    itl_counts: dict[float, int] | None = None
 
     def on_token(self, now: float) -> None:
+        # Runs once per generated token: no calls beyond what it must do.
         if self.first_token is None:
             self.first_token = now
         else:
             gap = now - self.last_token
             self.num_itl += 1
             self.itl_sum += gap
-            self.itl_max = max(self.itl_max, gap)
+            if gap > self.itl_max:
+                self.itl_max = gap
+            counts = self.itl_counts
+            if counts is not None:
+                counts[gap] = counts.get(gap, 0) + 1
         self.last_token = now
 
 

@@ -16,16 +16,19 @@ from quill.engine.request import Request, RequestStatus
 from quill.errors import InvalidRequestError
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed for this request in this step
     start: int  # position of the first of them (num_computed_tokens before the step)
+    # The step reaches the request's last token, so a new token is sampled. Fixed when the
+    # request is scheduled: its token count changes only in `update`, after this is read.
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return cls(request, num_tokens, start, start + num_tokens == request.num_tokens)
 
 
 @dataclass
@@ -104,13 +107,26 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
+        running = self.running
+        scheduled = out.scheduled
+        # This loop runs once per running request per step (millions of times in a simulation),
+        # so it reads the request's lists directly rather than through its properties.
+        tables = self.kv.block_tables
+        block_size = self.kv.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = min(request.num_tokens_to_compute, budget)
-            if not self._grow_or_preempt(request, n, out):
-                continue  # request itself was preempted or finished; running[i] is the next one
-            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+        while i < len(running) and budget > 0:
+            request = running[i]
+            start = request.num_computed_tokens
+            total = len(request.prompt_token_ids) + len(request.output_token_ids)
+            n = total - start
+            if n > budget:
+                n = budget
+            table = tables.get(request.request_id)
+            # Blocks to spare (the common case for a decode) need no allocation.
+            if table is None or len(table) * block_size < start + n:
+                if not self._grow_or_preempt(request, n, out):
+                    continue  # request was preempted or finished; running[i] is the next one
+            scheduled.append(ScheduledRequest(request, n, start, start + n == total))
             budget -= n
             i += 1
 
@@ -130,7 +146,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
-            out.scheduled.append(ScheduledRequest(request, n, request.num_computed_tokens))
+            scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
         return out
 
@@ -164,9 +180,10 @@ class Scheduler:
         """Apply a step's results. Returns (requests that got a token, requests that finished)."""
         advanced: list[Request] = []
         finished: list[Request] = list(out.finished)
+        done = RequestStatus.FINISHED
         for s in out.scheduled:
             request = s.request
-            if request.is_finished:  # aborted while the step ran
+            if request.status is done:  # aborted while the step ran
                 continue
             request.num_computed_tokens += s.num_tokens
             if not s.samples:
@@ -183,13 +200,14 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> tuple[str | None, int | None]:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token == request.eos_token_id:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
-        if request.num_output_tokens >= request.max_tokens:
+        if num_output >= request.max_tokens:
             return "length", None
-        if request.num_tokens >= self.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.max_model_len:
             return "length", None
         return None, None

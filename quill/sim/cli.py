@@ -1,0 +1,398 @@
+"""`quill simulate`: serve a workload in virtual time with the engine's own scheduler.
+
+The command answers capacity questions before any hardware is bought or model downloaded:
+latency percentiles and throughput for a request stream, the highest rate one replica
+sustains within an SLO, and whether splitting prefill from decode pays. Everything it needs
+(cost model, engine core) is torch-free, so it runs anywhere in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+
+from quill.cost.hardware import HardwareSpec
+from quill.cost.model import ModelSpec
+from quill.engine_args import add_scheduler_arguments
+from quill.sim.capacity import find_capacity, meets, replicas_needed
+from quill.sim.cluster import ROUTERS, run_colocated, run_disaggregated
+from quill.sim.config import SimConfig, model_context_len
+from quill.sim.metrics import SLO
+from quill.sim.report import format_capacity, format_comparison, format_run
+from quill.sim.workload import LengthSpec, read_trace, synthetic
+
+DESCRIPTION = """\
+Run a workload through quill's engine core (the same scheduler, batching and preemption as
+`quill serve`) in virtual time: every step takes what the cost model predicts for it on the
+given hardware. Reports what a serving benchmark client reports. Defaults: SmolLM2-135M on
+H100-SXM, 1000 requests all at t=0 with 256-token prompts and 128-token replies,
+--max-num-batched-tokens 8192 (quill serve uses 512 on a CPU: pass it to compare), and a KV
+pool of what is left of 90% of the device memory after the weights (--kv-cache-memory: bytes
+per device), at most max-num-seqs sequences of full context."""
+
+EPILOG = """\
+modes:
+  (default)           one run; with --replicas N, N replicas share the arrivals
+  --capacity          highest rate one replica sustains with p99 TTFT and p99 ITL within --slo
+  --disaggregate P:D  P prefill + D decode replicas against P+D colocated ones, side by side
+
+trace format (--trace): JSONL, one request per line, e.g.
+  {"arrival_time": 0.25, "prompt_tokens": 512, "output_tokens": 64, "prefix_id": "sys-a"}
+  arrival_time is in seconds; prefix_id (optional) names a shared prompt prefix. It is carried
+  for prefix caching, which is not simulated yet: it has no effect on the results.
+
+goodput counts requests served in full whose TTFT, mean inter-token latency (their time per
+output token) and end-to-end latency are within the SLO given. ITL percentiles are over every
+inter-token gap of every request, as vLLM's benchmark client reports them.
+
+capacity: each trial simulates --num-requests requests at one rate (same seed, so only the pace
+changes), first all at once, then doubling or halving to bracket the answer, then bisecting
+until the passing and failing rates are within --capacity-tolerance. --target-rate assumes the
+traffic splits evenly over independent replicas, and checks the answer with a simulation of
+that many replicas behind the router.
+
+disaggregation: a request is prefilled (its first token) on a prefill replica, then its
+prompt's KV cache (the model's KV bytes per token x prompt tokens) crosses the interconnect:
+each prefill replica sends one transfer at a time, first come first served, at the hardware's
+interconnect bandwidth per device. A decode replica then produces the rest. TTFT is the
+prefill replica's; the transfer shows in the first inter-token gap. Both sides route to the
+replica holding the least unfinished work (or round robin)."""
+
+
+def _type(parse, what: str):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{what}: {e}") from None
+
+    convert.__name__ = what  # argparse names the type in some messages
+    return convert
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"must be positive (or inf), got {text!r}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"must be positive and finite, got {text!r}")
+    return value
+
+
+def _split(text: str) -> tuple[int, int]:
+    p, sep, d = text.partition(":")
+    try:
+        counts = int(p), int(d)
+    except ValueError:
+        raise ValueError(f"expected P:D (two replica counts), got {text!r}") from None
+    if not sep or min(counts) < 1:
+        raise ValueError(f"expected P:D with P, D >= 1, got {text!r}")
+    return counts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="SmolLM2-135M", help="preset, HF dir, config.json, .gguf"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="weights and KV cache (auto: the config's torch_dtype; presets are bfloat16)",
+    )
+    parser.add_argument(
+        "--hardware",
+        default="H100-SXM",
+        help="preset (H100-SXM, H200, A100-80GB-SXM, L40S) "
+        "or a hardware JSON such as `quill cost calibrate` writes",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica")
+    parser.add_argument("--replicas", type=int, default=1, help="colocated replicas")
+    parser.add_argument(
+        "--router",
+        default="least-work",
+        choices=ROUTERS,
+        help="least-work: fewest tokens held; round-robin: in turn",
+    )
+    work = parser.add_argument_group("workload")
+    work.add_argument("--num-requests", type=int, default=None, help="default 1000 (trace: all)")
+    work.add_argument(
+        "--request-rate",
+        type=_type(_rate, "request rate"),
+        default=math.inf,
+        help="requests per second (default inf: all at t=0)",
+    )
+    work.add_argument(
+        "--burstiness",
+        type=_type(_positive, "burstiness"),
+        default=1.0,
+        help="gamma shape of inter-arrival times (1: Poisson; <1: burstier)",
+    )
+    work.add_argument(
+        "--prompt-tokens",
+        type=_type(LengthSpec.parse, "prompt tokens"),
+        default=LengthSpec(256, 256),
+        help="N or MIN:MAX (uniform)",
+    )
+    work.add_argument(
+        "--output-tokens",
+        type=_type(LengthSpec.parse, "output tokens"),
+        default=LengthSpec(128, 128),
+        help="N or MIN:MAX (uniform)",
+    )
+    work.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="JSONL requests (see below), instead of the rate and length flags",
+    )
+    work.add_argument("--seed", type=int, default=0)
+    sched = parser.add_argument_group("engine")
+    add_scheduler_arguments(sched)
+    sched.add_argument("--max-model-len", type=int, default=None)
+    modes = parser.add_argument_group("objectives and modes")
+    modes.add_argument(
+        "--slo", type=_type(SLO.parse, "slo"), default=None, metavar="ttft=MS,itl=MS[,e2e=MS]"
+    )
+    modes.add_argument("--capacity", action="store_true", help="search the sustainable rate")
+    modes.add_argument(
+        "--capacity-tolerance",
+        type=_type(_positive, "tolerance"),
+        default=0.02,
+        help="relative gap between passing and failing rates (default 0.02)",
+    )
+    modes.add_argument(
+        "--target-rate",
+        type=_type(_positive, "target rate"),
+        default=None,
+        help="with --capacity: replicas needed for this many requests/s",
+    )
+    modes.add_argument(
+        "--disaggregate",
+        type=_type(_split, "disaggregate"),
+        default=None,
+        metavar="P:D",
+        help="compare P prefill + D decode replicas",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    out.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `simulate` on the `quill` command's subparsers."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="serve a workload in virtual time with the cost model",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        usage="quill simulate [options]   (--help lists them)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=run_simulate)
+    return parser
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run the command; a bad setting is one line on stderr and exit status 2."""
+    try:
+        return _run(args)
+    except (ValueError, OSError) as e:
+        print(f"quill simulate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    config, settings, workload, slo = _setup(args)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    total = settings["workload"]["num_requests"]
+    if args.capacity:
+        output = _capacity(args, config, settings, workload, slo, progress)
+    elif args.disaggregate:
+        p, d = args.disaggregate
+        with _bar(progress, total, f"colocated x{p + d}") as bar:
+            colocated = run_colocated(config, workload(), p + d, slo, args.router, bar)
+        with _bar(progress, total, f"disaggregated {p}:{d}") as bar:
+            split = run_disaggregated(config, workload(), p, d, slo, args.router, bar)
+        output = {"colocated": colocated, "disaggregated": split}
+    else:
+        with _bar(progress, total, "simulating") as bar:
+            output = run_colocated(config, workload(), args.replicas, slo, args.router, bar)
+    if args.json:
+        print(json.dumps(_jsonable({"settings": settings, **output})))
+    elif args.capacity:
+        print(format_capacity(settings, output["capacity"], output.get("replicas_for_target")))
+    elif args.disaggregate:
+        print(format_comparison(settings, output["colocated"], output["disaggregated"]))
+    else:
+        print(format_run(settings, output))
+    sys.stdout.flush()
+    wall = time.perf_counter() - started
+    print(f"quill simulate: done in {wall:.1f} s of wall time", file=sys.stderr)
+    return 0
+
+
+def _setup(args: argparse.Namespace):
+    for flag, value in (("--tp", args.tp), ("--replicas", args.replicas)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.capacity and args.disaggregate:
+        raise ValueError("--capacity and --disaggregate cannot be combined")
+    if args.replicas != 1 and (args.capacity or args.disaggregate):
+        raise ValueError(
+            "--replicas does not combine with --capacity (one replica's rate) or --disaggregate "
+            "(which compares P+D colocated replicas)"
+        )
+    if args.target_rate is not None and not args.capacity:
+        raise ValueError("--target-rate needs --capacity")
+    if args.capacity and (args.slo is None or args.slo.ttft is None or args.slo.itl is None):
+        raise ValueError("--capacity needs --slo with ttft and itl, e.g. --slo ttft=500,itl=50")
+    if args.capacity and args.trace:
+        raise ValueError("--capacity scales a synthetic workload's rate; it cannot use --trace")
+    if args.capacity_tolerance >= 1:
+        raise ValueError(f"--capacity-tolerance must be below 1, got {args.capacity_tolerance}")
+    bytes_per_param = {"auto": None, "float32": 4, "bfloat16": 2}[args.dtype]
+    model = ModelSpec.resolve(args.model, bytes_per_param)
+    hardware = HardwareSpec.resolve(args.hardware)
+    if args.disaggregate and hardware.interconnect_bandwidth is None:
+        raise ValueError(f"--disaggregate needs the interconnect bandwidth of {hardware.name}")
+    config = SimConfig.create(
+        model,
+        hardware,
+        args.tp,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        context_len=model_context_len(args.model, model),
+    )
+    if args.trace:
+        items = read_trace(args.trace, args.num_requests, check=config.check_request)
+        if not items:
+            raise ValueError(f"trace {args.trace} holds no request")
+
+        def workload(rate=None):
+            return iter(items)
+
+        workload_settings = {"trace": args.trace, "num_requests": len(items)}
+    else:
+        num = args.num_requests or 1000
+        reason = config.check_request(args.prompt_tokens.high, args.output_tokens.high)
+        if reason is not None:
+            raise ValueError(f"--prompt-tokens/--output-tokens: {reason}")
+
+        def workload(rate=args.request_rate, num=num):
+            return synthetic(
+                num, rate, args.prompt_tokens, args.output_tokens, args.burstiness, args.seed
+            )
+
+        workload_settings = {
+            "trace": None,
+            "num_requests": num,
+            "request_rate": None if args.capacity else args.request_rate,
+            "burstiness": args.burstiness,
+            "prompt_tokens": str(args.prompt_tokens),
+            "output_tokens": str(args.output_tokens),
+            "seed": args.seed,
+        }
+    settings = {
+        "mode": "capacity" if args.capacity else "disaggregate" if args.disaggregate else "run",
+        "model_arg": args.model,
+        "dtype": model.dtype,
+        "hardware_arg": args.hardware,
+        "scheduler": config.to_dict(),
+        "replicas": args.replicas,
+        "router": args.router,
+        "workload": workload_settings,
+        "slo": args.slo.to_dict() if args.slo else None,
+        "disaggregate": list(args.disaggregate) if args.disaggregate else None,
+        "capacity_tolerance": args.capacity_tolerance if args.capacity else None,
+        "target_rate": args.target_rate,
+    }
+    return config, settings, workload, args.slo
+
+
+def _capacity(args, config: SimConfig, settings: dict, workload, slo: SLO, progress: bool):
+    num = settings["workload"]["num_requests"]
+
+    def run_at(rate: float) -> dict:
+        with _bar(progress, num, f"rate {rate:.4g}/s") as bar:
+            return run_colocated(config, workload(rate), 1, slo, args.router, bar)
+
+    found = find_capacity(run_at, slo, args.capacity_tolerance)
+    output = {"capacity": found}
+    if args.target_rate is not None:
+        n = replicas_needed(args.target_rate, found["capacity_rate"])
+        # Each replica sees about `num` requests, as in the search's trials.
+        with _bar(progress, num * n, f"check x{n}") as bar:
+            check = run_colocated(
+                config, workload(args.target_rate, num * n), n, slo, args.router, bar
+            )
+        price = config.cost.hardware.price_per_hour
+        output["replicas_for_target"] = {
+            "target_rate": args.target_rate,
+            "replicas": n,
+            "devices": n * config.cost.tp,
+            "assumption": "the target rate splits evenly over independent replicas",
+            "check": check,
+            "check_meets_slo": meets(slo, check["results"]),
+            "cost_per_hour": None if price is None else price * n * config.cost.tp,
+        }
+    return output
+
+
+@contextmanager
+def _bar(enabled: bool, total: int, desc: str):
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False) as bar:
+        yield bar.update
+
+
+def _jsonable(value):
+    """JSON has no infinity: an infinite rate is written as the string "inf"."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items() if not k.startswith("_")}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`quill simulate` on its own: `python -m quill.sim.cli [options]`."""
+    parser = argparse.ArgumentParser(prog="quill")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_simulate_parser(sub)
+    try:
+        args = parser.parse_args(["simulate", *(sys.argv[1:] if argv is None else argv)])
+    except SystemExit as e:  # argparse has printed its message
+        return int(e.code or 0)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

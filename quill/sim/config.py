@@ -1,0 +1,145 @@
+"""One simulated replica's settings: the cost model that times its steps and the scheduler's
+limits, with the KV pool sized the way `quill serve` would size it on that hardware.
+
+Checked once here, so that an impossible setup (a model that does not fit, a pool too small for
+any request) is one clear error before the simulation starts, not a failure deep inside it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from quill.cost.hardware import HardwareSpec
+from quill.cost.model import PRESETS, ModelSpec
+from quill.cost.step import CostModel
+from quill.model.config import ModelConfig
+
+# The share of device memory given to weights and KV cache (the cost model's default).
+MEMORY_FRACTION = 0.9
+DEFAULT_MAX_MODEL_LEN = 8192  # for models whose context length is unknown (abstract ones)
+
+
+@dataclass
+class SimConfig:
+    """Everything a replica needs; `num_blocks` is the KV pool size in blocks."""
+
+    cost: CostModel
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+
+    @classmethod
+    def create(
+        cls,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        tp: int = 1,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        kv_cache_memory: int | None = None,
+        context_len: int | None = None,
+    ) -> SimConfig:
+        """Raises ValueError on anything impossible. `kv_cache_memory` is bytes per device;
+        without it the pool is what is left of 90% of the memory after the weights. Like the
+        engine, the pool holds at most max_num_seqs sequences of full context."""
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("block_size", block_size),
+            ("max_model_len", max_model_len),
+            ("kv_cache_memory", kv_cache_memory),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be positive, got {value}")
+        cost = CostModel(model, hardware, tp)
+        context = context_len or DEFAULT_MAX_MODEL_LEN
+        max_model_len = min(max_model_len or context, context)
+        capacity = cost.kv_capacity_tokens(MEMORY_FRACTION)  # raises if the weights do not fit
+        kv_per_token = model.kv_bytes_per_token / tp
+        if kv_cache_memory is not None and kv_per_token > 0:
+            stored = model.stored_bytes / tp
+            if stored + kv_cache_memory > hardware.memory_capacity:
+                raise ValueError(
+                    f"--kv-cache-memory of {kv_cache_memory / 1e9:.4g} GB and weights of "
+                    f"{stored / 1e9:.4g} GB per device exceed {hardware.name}'s "
+                    f"{hardware.memory_capacity / 1e9:.4g} GB"
+                )
+            capacity = kv_cache_memory // kv_per_token
+        blocks_per_seq = -(-max_model_len // block_size)
+        cap = blocks_per_seq * max_num_seqs
+        num_blocks = cap if math.isinf(capacity) else min(int(capacity // block_size), cap)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV pool holds no block of {block_size} tokens "
+                f"({kv_per_token * block_size:.4g} bytes per device)"
+            )
+        return cls(
+            cost=cost,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or 8192,
+            block_size=block_size,
+        )
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def check_request(self, prompt_tokens: int, output_tokens: int) -> str | None:
+        """Why a request of these lengths can never be served here, or None."""
+        if prompt_tokens + output_tokens > self.max_model_len:
+            return (
+                f"{prompt_tokens} prompt + {output_tokens} output tokens exceed the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        if -(-(prompt_tokens + 1) // self.block_size) > self.num_blocks:
+            return (
+                f"a prompt of {prompt_tokens} tokens can never fit in the KV cache "
+                f"({self.kv_tokens} tokens)"
+            )
+        return None
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.cost.model.name,
+            "hardware": self.cost.hardware.name,
+            "tp": self.cost.tp,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "num_kv_blocks": self.num_blocks,
+            "kv_cache_tokens": self.kv_tokens,
+        }
+
+
+def model_context_len(name_or_path: str, spec: ModelSpec) -> int | None:
+    """The model's context length as the engine reads it from the model's config (None for a
+    model without one, such as an abstract spec)."""
+    path = Path(str(name_or_path).strip())
+    if not path.exists():
+        config = PRESETS.get(spec.name)
+    else:
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            if path.suffix == ".gguf":
+                from quill.model.gguf_config import gguf_hf_config, open_gguf
+
+                config = gguf_hf_config(open_gguf(path))
+            else:
+                config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    if not isinstance(config, dict):
+        return None
+    return ModelConfig.from_hf_dict(config).max_position_embeddings

@@ -1,0 +1,162 @@
+"""One simulated replica: the real EngineCore and Scheduler, run by an executor that only prices.
+
+Nothing about scheduling is re-implemented here. `SimExecutor` receives the core's step plans,
+advances a virtual clock by the cost model's price of each and hands back a token for every
+sequence that samples, so the core's decisions, preemptions and timestamps are the engine's
+own. A replica owns its clock; the event loops in `quill.sim.cluster` keep several in step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from quill.cost.batch import BatchShape
+from quill.cost.step import CostModel
+from quill.engine.block_pool import KVCacheManager
+from quill.engine.clock import VirtualClock
+from quill.engine.core import EngineCore
+from quill.engine.plan import StepPlan, StepResult
+from quill.engine.request import Request, RequestTimes
+from quill.engine.scheduler import Scheduler
+from quill.sampling_params import SamplingParams
+from quill.sim.config import SimConfig
+from quill.sim.metrics import MetricsSink
+from quill.sim.workload import WorkItem
+
+SAMPLED_TOKEN = 0  # any valid id: requests ignore EOS and have no stop tokens
+
+
+class SimExecutor:
+    """Runs a plan in virtual time: the clock moves by the plan's predicted price."""
+
+    def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
+        self.cost = cost
+        self.clock = clock
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        shape = BatchShape.from_plan(plan)
+        seconds = self.cost.price(shape).predicted_s
+        self.clock.advance(seconds)
+        self.num_steps += 1
+        self.busy_s += seconds
+        self.prefill_tokens += shape.num_prefill_tokens
+        self.decode_tokens += shape.num_decode_tokens
+        return StepResult(
+            dict.fromkeys([s.request_id for s in plan.seqs if s.samples], SAMPLED_TOKEN)
+        )
+
+
+class Replica:
+    """An EngineCore on its own virtual clock, with a backlog of arrived requests.
+
+    Requests wait in the backlog as cheap WorkItems and become engine Requests only when the
+    scheduler could take them: the core is topped up to `max_num_seqs` waiting requests before
+    each step. The scheduler admits at most `max_num_seqs` requests a step, from the front of
+    its waiting queue, so anything further back could not have been scheduled anyway; the
+    decisions are the same as adding every request on arrival, without holding 100,000 of them.
+    `output_cap` limits replies (1 on a prefill replica: it produces only the first token).
+    """
+
+    def __init__(
+        self,
+        config: SimConfig,
+        sink: MetricsSink,
+        name: str = "replica 0",
+        output_cap: int | None = None,
+        record: bool = False,
+    ) -> None:
+        self.config = config
+        self.name = name
+        self.sink = sink
+        self.output_cap = output_cap
+        self.clock = VirtualClock()
+        self.executor = SimExecutor(config.cost, self.clock)
+        kv = KVCacheManager(config.num_blocks, config.block_size)
+        scheduler = Scheduler(
+            kv, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
+        )
+        self.core = EngineCore(scheduler, self.executor, self.clock)
+        self.backlog: deque[WorkItem | Request] = deque()
+        self.outstanding = 0  # prompt + output tokens of the requests it holds (for routing)
+        self._params: dict[int, SamplingParams] = {}
+        # For tests: per step [(request_id, start, num_tokens)], and for every arrival the
+        # number of steps run before it, so that a real engine can replay the same sequence.
+        self.record = record
+        self.step_log: list[list[tuple[str, int, int]]] = []
+        self.add_log: list[tuple[int, str]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.backlog) or self.core.has_unfinished_requests()
+
+    def submit(self, work: WorkItem | Request, now: float) -> None:
+        """A request reaches this replica at `now`; an idle replica's clock jumps to it."""
+        if self.clock.t < now:
+            self.clock.t = now
+        self.backlog.append(work)
+        if self.record:
+            self.add_log.append((self.executor.num_steps, work.request_id))
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        # Shared between requests: the engine never changes a request's parameters.
+        params = self._params.get(max_tokens)
+        if params is None:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+            self._params[max_tokens] = params
+        return params
+
+    def make_request(self, item: WorkItem) -> Request:
+        out = item.output_tokens
+        if self.output_cap is not None and out > self.output_cap:
+            out = self.output_cap
+        return Request(
+            item.request_id,
+            [0] * item.prompt_tokens,
+            self.params(out),
+            item.arrival_time,
+            out,
+            times=RequestTimes(item.arrival_time, itl_counts=self.sink.itl.counts),
+        )
+
+    def _admit(self) -> None:
+        scheduler = self.core.scheduler
+        room = scheduler.max_num_seqs - len(scheduler.waiting)
+        backlog = self.backlog
+        while room > 0 and backlog:
+            work = backlog.popleft()
+            request = work if type(work) is Request else self.make_request(work)
+            self.core.add_request(request)
+            room -= 1
+
+    def step(self) -> list[Request]:
+        """One engine step at this replica's clock; returns the requests that ended."""
+        if self.backlog:
+            self._admit()
+        before = self.executor.num_steps
+        out = self.core.step()
+        if self.executor.num_steps == before:
+            if not out.finished:
+                raise RuntimeError(f"{self.name}: the scheduler can schedule nothing")
+        elif self.record:
+            plan = self.core.last_step.plan
+            self.step_log.append([(s.request_id, s.start, s.num_tokens) for s in plan.seqs])
+        return out.finished
+
+    def stats(self, duration: float) -> dict:
+        ex = self.executor
+        return {
+            "name": self.name,
+            "steps": ex.num_steps,
+            "busy_s": ex.busy_s,
+            "busy_fraction": ex.busy_s / duration if duration > 0 else None,
+            "prefill_tokens": ex.prefill_tokens,
+            "decode_tokens": ex.decode_tokens,
+            "mean_tokens_per_step": (
+                (ex.prefill_tokens + ex.decode_tokens) / ex.num_steps if ex.num_steps else None
+            ),
+            "preemptions": self.core.scheduler.num_preemptions,
+        }
