@@ -412,15 +412,6 @@ def test_calibrate_gets_its_arguments_untouched(monkeypatch):
     assert seen == [["--model", "x", "-h", "--tp", "2"]]
 
 
-def test_calibrate_missing_is_a_clear_error(capsys):
-    import importlib.util
-
-    if importlib.util.find_spec("quill.cost.calibrate") is not None:
-        pytest.skip("quill.cost.calibrate exists")
-    rc, _, err = _run(capsys, ["calibrate", "--anything"])
-    assert rc == 2 and err == "quill cost: error: calibrate is not available\n"
-
-
 def test_the_cost_modules_do_not_import_torch():
     code = (
         "import sys, quill.cost, quill.cost.cli, quill.cost.step, quill.cost.table, "

@@ -119,7 +119,9 @@ async def run_workload(
     records, bodies = [], []
     for item in items:
         records.append(
-            RequestRecord(item.request_id, item.prompt_tokens, item.output_tokens, item.arrival_time)
+            RequestRecord(
+                item.request_id, item.prompt_tokens, item.output_tokens, item.arrival_time
+            )
         )
         bodies.append(
             {

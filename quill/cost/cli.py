@@ -128,13 +128,8 @@ def run_cost(args: argparse.Namespace) -> int:
 
 
 def _run_calibrate(rest: list[str]) -> int:
-    try:
-        calibrate = importlib.import_module("quill.cost.calibrate")
-    except ModuleNotFoundError as e:
-        if e.name != "quill.cost.calibrate":
-            raise
-        print("quill cost: error: calibrate is not available", file=sys.stderr)
-        return 2
+    # Imported only when asked for: calibrating needs torch, pricing does not.
+    calibrate = importlib.import_module("quill.cost.calibrate")
     return calibrate.main(rest) or 0
 
 

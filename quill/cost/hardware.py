@@ -32,6 +32,9 @@ CALIBRATION_KEYS = (
     "s_per_attention_flop",
     "s_per_kv_byte",
 )
+# Optional (written by `quill cost calibrate` when it pays): past this many KV bytes per layer
+# (read + written) every further KV byte also costs s_per_kv_byte_over_knee.
+OPTIONAL_CALIBRATION_KEYS = ("kv_knee_bytes_per_layer", "s_per_kv_byte_over_knee")
 
 
 def canonical_dtype(name: str) -> str:
@@ -182,7 +185,8 @@ def _check_calibration(calibration: dict) -> dict[str, float]:
     if missing:
         raise ValueError(f"calibration is missing {', '.join(missing)}")
     coefficients = {}
-    for key in CALIBRATION_KEYS:  # any other key is informational and ignored
+    optional = [k for k in OPTIONAL_CALIBRATION_KEYS if k in calibration]
+    for key in (*CALIBRATION_KEYS, *optional):  # any other key is informational and ignored
         try:
             value = float(calibration[key])
         except (TypeError, ValueError):

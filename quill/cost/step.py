@@ -95,6 +95,10 @@ class CostModel:
         self._inv_bandwidth = 1.0 / hardware.memory_bandwidth
         self._overhead = hardware.step_overhead_s
         self._coef = hardware.coefficients
+        # KV traffic past the calibration's knee (per layer, so per pass x num_layers) costs more.
+        coef = self._coef or {}
+        self._kv_knee = coef.get("kv_knee_bytes_per_layer", 0.0) * (model.num_layers or 0)
+        self._s_over_knee = coef.get("s_per_kv_byte_over_knee", 0.0)
 
     @property
     def ridge_ops_per_byte(self) -> float:
@@ -132,6 +136,7 @@ class CostModel:
                 + c["s_per_linear_flop"] * linear
                 + c["s_per_attention_flop"] * attention
                 + c["s_per_kv_byte"] * (kv_read + kv_write)
+                + self._s_over_knee * max(0.0, kv_read + kv_write - self._kv_knee)
                 + communication_s
             )
         return StepCost(

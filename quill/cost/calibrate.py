@@ -1,0 +1,311 @@
+"""`quill cost calibrate`: measure this machine and save it as a hardware file.
+
+Datasheet peaks say what a chip could do; a CPU engine in plain PyTorch runs far below them,
+and where its time goes (a fixed cost per step, the KV gather) no roofline shows. So this
+measures both: the peaks the cost model's roofline needs (matrix-multiply FLOP/s at the engine's
+own shapes, weight-streaming bandwidth, memory), and a sweep of real engine steps whose times
+fit the additive model's coefficients (quill.cost.fit). Later commands read the file with
+`--hardware FILE`, and the engine finds it by itself in `$QUILL_CACHE/hardware`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import socket
+import sys
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from quill.cost import fit
+from quill.cost.hardware import HardwareSpec
+from quill.cost.model import ModelSpec
+from quill.cost.step import CostModel
+from quill.cost.sweep import Case, MeasuredStep, Sweep, engine_for
+
+
+def calibration_cases(
+    max_batch: int = 64,
+    max_context: int = 1536,
+    max_chunk: int = 1024,
+    steps: int = 2,
+    warmup: int = 1,
+    quick: bool = False,
+) -> list[Case]:
+    """The fitting sweep: decodes over batch and context, prompt chunks, mixed steps."""
+    if min(max_batch, max_context, max_chunk, steps) < 1 or warmup < 0:
+        raise ValueError(
+            "--max-batch, --max-context, --max-chunk and --steps must be at least 1, "
+            "--warmup at least 0"
+        )
+
+    def upto(values, limit):
+        return sorted({min(v, limit) for v in values})
+
+    # Batch x context spreads the KV per layer over 0.05-150 MB for the default model in fp32,
+    # so a knee near the last-level cache has steps on both sides of it.
+    batches = upto([1, 16, 64] if quick else [1, 4, 16, 32, 64], max_batch)
+    contexts = upto([32, 384, 1536] if quick else [32, 256, 768, 1536], max_context)
+    chunks = upto([16, 128, 512] if quick else [16, 64, 256, 512, 1024], max_chunk)
+    mid_batch, mid_context = batches[len(batches) // 2], contexts[len(contexts) // 2]
+    small_chunk, mid_chunk = chunks[0], chunks[len(chunks) // 2]
+    cases = [Case(b, c) for c in contexts for b in batches]
+    cases += [Case(chunks=1, chunk=n) for n in chunks]
+    cases += [
+        Case(chunks=4, chunk=small_chunk),  # several prompts in one step
+        Case(chunks=1, chunk=mid_chunk, chunk_start=max_context),  # a later chunk of a prompt
+        Case(mid_batch, mid_context, chunks=1, chunk=mid_chunk),
+        Case(batches[-1], contexts[-1], chunks=1, chunk=small_chunk),
+        Case(batches[0], contexts[0], chunks=1, chunk=chunks[-1]),
+    ]
+    unique = list(dict.fromkeys(cases))
+    return [replace(c, steps=steps, warmup=warmup) for c in unique]
+
+
+def set_threads(threads: int | None) -> int:
+    """Every core this process may run on (or `threads`), for torch's intra-op pool."""
+    import torch
+
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(threads or available or 1)
+    return torch.get_num_threads()
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and feature flags, from /proc/cpuinfo (empty where there is none)."""
+    info = {"cpu_model": platform.processor() or platform.machine(), "cpu_flags": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and info["cpu_model"] in ("", platform.machine()):
+            info["cpu_model"] = value.strip()
+        elif key == "flags":
+            info["cpu_flags"] = value.split()
+            break
+    return info
+
+
+def default_out(dtype: str) -> Path:
+    from quill.config import cache_dir
+
+    host = socket.gethostname() or cpu_info()["cpu_model"]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", host).strip("-") or "this-machine"
+    return cache_dir() / "hardware" / f"{slug}-{dtype}.json"
+
+
+def _summary(steps: list[MeasuredStep], predicted: list[float]) -> dict:
+    measured = [s.duration for s in steps]
+    out = {"all": fit.error_summary(predicted, measured)}
+    for kind in ("decode", "prefill", "mixed"):
+        idx = [i for i, s in enumerate(steps) if s.kind == kind]
+        out[kind] = fit.error_summary([predicted[i] for i in idx], [measured[i] for i in idx])
+    return out
+
+
+def fit_spec(
+    engine,
+    steps: list[MeasuredStep],
+    peaks: dict,
+    name: str | None = None,
+) -> HardwareSpec:
+    """A HardwareSpec from measured peaks and the steps' fitted coefficients."""
+    from quill.cost import microbench
+
+    dtype = str(engine.dtype).removeprefix("torch.")
+    model = ModelSpec.from_path(engine.model_path, engine.dtype.itemsize)
+    model.dtype = dtype
+    cpu = cpu_info()
+    device = engine.device
+    base = HardwareSpec(
+        name=name or microbench.device_name(device, cpu["cpu_model"]),
+        flops=peaks["flops"],
+        memory_bandwidth=peaks["memory_bandwidth"],
+        memory_capacity=microbench.memory_capacity(device),
+    )
+    roofline = CostModel(model, base)
+    shapes, costs = fit.price_steps(roofline, [s.seqs for s in steps])
+    durations = [s.duration for s in steps]
+    coefficients = fit.fit_calibration(
+        costs, shapes, durations, model.weight_bytes, 1 / base.memory_bandwidth, model.num_layers
+    )
+    layers = model.num_layers or 0
+    predicted = [fit.predict(coefficients, c, s, layers) for c, s in zip(costs, shapes)]
+    # The uncalibrated predictor is roofline + step_overhead_s: take the overhead from the
+    # smallest decode steps, where nothing but the weights and the fixed cost remains.
+    small = [i for i, s in enumerate(steps) if s.kind == "decode" and len(s.seqs) == 1]
+    small = small or list(range(len(steps)))
+    least = min(shapes[i].kv_tokens_read for i in small)
+    gaps = sorted(
+        durations[i] - costs[i].roofline_s for i in small if shapes[i].kv_tokens_read == least
+    )
+    step_overhead = max(0.0, gaps[len(gaps) // 2])
+    calibration = {
+        **coefficients,
+        "model": model.name,
+        "model_path": str(engine.model_path),
+        "dtype": dtype,
+        "device": str(device),
+        "threads": _threads(),
+        "fitted_steps": len(steps),
+        "fitted_cases": len({s.case for s in steps}),
+        "fit_error": _summary(steps, predicted),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "cpu_model": cpu["cpu_model"],
+        "cpu_flags": cpu["cpu_flags"],
+        "torch": _torch_version(),
+        "python": platform.python_version(),
+        "microbenchmarks": peaks["details"],
+    }
+    return HardwareSpec(
+        name=base.name,
+        flops=base.flops,
+        memory_bandwidth=base.memory_bandwidth,
+        memory_capacity=base.memory_capacity,
+        step_overhead_s=step_overhead,
+        calibration=calibration,
+        notes=(
+            f"measured by `quill cost calibrate` on {len(steps)} engine steps of {model.name} "
+            f"({dtype}, {_threads()} threads); flops and memory_bandwidth are microbenchmark "
+            "peaks, calibration holds the fitted additive step-time model"
+        ),
+    )
+
+
+def _default(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def describe(spec: HardwareSpec) -> str:
+    """The fitted coefficients as rates a person recognises."""
+    c = spec.coefficients or {}
+
+    def rate(key: str, unit: float, label: str) -> str:
+        value = c.get(key, 0.0)
+        return f"{1 / value / unit:8.2f} {label}" if value > 0 else "       - (not needed)"
+
+    err = spec.calibration.get("fit_error", {}) if spec.calibration else {}
+    lines = [
+        f"  overhead per step       {c.get('overhead_s', 0) * 1e3:8.2f} ms",
+        f"  per sequence            {c.get('per_seq_s', 0) * 1e3:8.3f} ms",
+        f"  weight streaming        {rate('s_per_weight_byte', 1e9, 'GB/s')}",
+        f"  linear layers           {rate('s_per_linear_flop', 1e9, 'GFLOP/s')}",
+        f"  attention               {rate('s_per_attention_flop', 1e9, 'GFLOP/s')}",
+        f"  KV cache traffic        {rate('s_per_kv_byte', 1e9, 'GB/s')}",
+    ]
+    if c.get("s_per_kv_byte_over_knee"):
+        knee = c["kv_knee_bytes_per_layer"] / 1e6
+        total = 1 / (c["s_per_kv_byte"] + c["s_per_kv_byte_over_knee"]) / 1e9
+        lines.append(f"  {f'KV past {knee:.3g} MB/layer':<24}{total:8.2f} GB/s")
+    for kind, e in err.items():
+        if e.get("steps"):
+            lines.append(
+                f"  fit error {kind:8s}      median {e['median']:6.1%}  p90 {e['p90']:6.1%}"
+                f"  ({e['steps']} steps, in-sample)"
+            )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="quill cost calibrate",
+        description="Measure this machine (matmul FLOP/s, weight-streaming bandwidth, a sweep of "
+        "real engine steps) and save a hardware file for `--hardware`.",
+    )
+    p.add_argument("--model", help="model directory or .gguf (default: the default model)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
+    p.add_argument("--tokenizer", help="tokenizer source (needed with --load-format dummy)")
+    p.add_argument("--out", help="hardware file to write (default: $QUILL_CACHE/hardware/...)")
+    p.add_argument("--name", help="the hardware's name in the file (default: CPU or GPU name)")
+    p.add_argument("--quick", action="store_true", help="a smaller sweep (about a minute)")
+    p.add_argument("--max-batch", type=int, help="largest decode batch (default 64)")
+    p.add_argument("--max-context", type=int, help="longest context (default 1536)")
+    p.add_argument("--max-chunk", type=int, help="largest prompt chunk (default 1024; quick 512)")
+    p.add_argument("--steps", type=int, help="measured steps per shape (default 2; quick 1)")
+    p.add_argument("--warmup", type=int, default=1, help="discarded steps per shape (default 1)")
+    p.add_argument("--threads", type=int, help="torch threads (default: every available core)")
+    p.add_argument("--save-steps", metavar="FILE", help="also write the measured steps (JSONL)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except (ValueError, OSError) as e:
+        print(f"quill cost calibrate: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    import json
+
+    from quill.cost import microbench
+
+    threads = set_threads(args.threads)
+    print(
+        f"torch threads: {threads} (cores available to this process: "
+        f"{len(os.sched_getaffinity(0))})"
+    )
+    cases = calibration_cases(
+        _default(args.max_batch, 64),
+        _default(args.max_context, 1536),
+        _default(args.max_chunk, 512 if args.quick else 1024),
+        _default(args.steps, 1 if args.quick else 2),
+        args.warmup,
+        args.quick,
+    )
+    started = time.perf_counter()
+    engine = engine_for(
+        cases, args.model, args.dtype, args.device, args.load_format, args.tokenizer
+    )
+    dtype = str(engine.dtype).removeprefix("torch.")
+    model = ModelSpec.from_path(engine.model_path, engine.dtype.itemsize)
+    print(
+        f"model: {model.name} ({dtype}, {engine.device}), loaded in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
+    peaks = microbench.measure_peaks(
+        model, engine.device, max(c.step_tokens for c in cases), engine.dtype, args.quick, print
+    )
+    steps = Sweep(engine).run(cases, "engine steps", progress=not args.no_progress)
+    spec = fit_spec(engine, steps, peaks, args.name)
+    out = Path(args.out) if args.out else default_out(dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spec.save(out)
+    if args.save_steps:
+        with Path(args.save_steps).open("w") as f:
+            for s in steps:
+                f.write(json.dumps(s.to_dict()) + "\n")
+    print(f"step overhead (batch-1 decode minus its roofline): {spec.step_overhead_s * 1e3:.2f} ms")
+    print("fitted coefficients:")
+    print(describe(spec))
+    print(f"took {time.perf_counter() - started:.0f} s; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
