@@ -7,8 +7,9 @@ decodes mixed with a chunk), prices each with the hardware file, and reports the
 relative error of the calibrated prediction and of the roofline floor (which is a floor, not a
 prediction: its error says how far the engine runs from peak), overall and per step kind.
 
-Without `--hardware`, it first calibrates on a separate sweep of other shapes (the same one as
-`quill cost calibrate`), so the evaluation steps are never the ones fitted. Usage:
+Without `--hardware`, it also calibrates, on other shapes (the same sweep as `quill cost
+calibrate`) run interleaved with the evaluation in one shuffled order, so the evaluation steps
+are never the ones fitted and the machine's drift between minutes hits both alike. Usage:
 
     .venv/bin/python benchmarks/bench_cost.py [--quick] [--hardware FILE] [--json out.json]
     .venv/bin/python benchmarks/bench_cost.py --rescore out.json --hardware NEW.json
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -163,16 +165,21 @@ def _measure(args: argparse.Namespace) -> dict:
     if args.hardware:
         spec = HardwareSpec.resolve(args.hardware)
         _check_dtype(spec, dtype)
+        measured = Sweep(engine, seed=2).run(cases, "evaluation steps")
     else:
         from quill.cost.microbench import measure_peaks
 
         peaks = measure_peaks(model, engine.device, 2048, engine.dtype, args.quick)
-        fitted_on = Sweep(engine, seed=1).run(calib_cases, "calibration steps")
+        # Both sweeps in one shuffled order: the machine drifts by 10-20% between minutes,
+        # and a fit made in a fast minute would be judged in a slow one.
+        tagged = [("calibration", c) for c in calib_cases] + [("evaluation", c) for c in cases]
+        random.Random(3).shuffle(tagged)
+        runs = Sweep(engine, seed=2).run_tagged(tagged, "calibration + evaluation steps")
+        fitted_on, measured = runs["calibration"], runs["evaluation"]
         spec = fit_spec(engine, fitted_on, peaks)
-        print("calibrated on a separate sweep:\n" + describe(spec))
+        print("calibrated on its own shapes, interleaved with the evaluation:\n" + describe(spec))
         if args.save_hardware:
             spec.save(args.save_hardware)
-    measured = Sweep(engine, seed=2).run(cases, "evaluation steps")
     return {
         "steps": measured,
         "spec": spec,

@@ -247,11 +247,21 @@ def test_calibrated_prediction_is_the_additive_formula(tiny_calibration):
         kv_tokens = sum(start + n for start, n, _, _ in seqs) + tokens  # read + written
         kv_bytes = model.kv_bytes_per_token * kv_tokens
         knee = c.get("kv_knee_bytes_per_layer", 0.0) * model.num_layers
+        # Products of few rows run slower: the measured rate at this many rows, log-interpolated.
+        rates = spec.matmul_rates
+        best = max(r for _, r in rates["layers"])
+
+        def slowdown(curve, rows, best=best):
+            t, r = np.array(curve, dtype=float).T
+            return best / np.interp(math.log2(rows), np.log2(t), r) if rows else 1.0
+
+        linear = model.linear_flops(tokens, 0) * slowdown(rates["layers"], tokens)
+        lm_head = model.linear_flops(0, sampled) * slowdown(rates["lm_head"], sampled)
         by_hand = (
             c["overhead_s"]
             + c["per_seq_s"] * len(seqs)
             + c["s_per_weight_byte"] * model.weight_bytes
-            + c["s_per_linear_flop"] * model.linear_flops(tokens, sampled)
+            + c["s_per_linear_flop"] * (linear + lm_head)
             + c["s_per_attention_flop"] * model.attention_flops(pairs)
             + c["s_per_kv_byte"] * kv_bytes
             + c.get("s_per_kv_byte_over_knee", 0.0) * max(0.0, kv_bytes - knee)
@@ -259,3 +269,47 @@ def test_calibrated_prediction_is_the_additive_formula(tiny_calibration):
         priced = CostModel(model, spec).price(BatchShape.from_seqs(seqs))
         assert priced.predicted_s == pytest.approx(by_hand, rel=1e-12)
         assert priced.predicted_s > 0
+
+
+def test_refit_on_recorded_steps_recovers_the_coefficients(tmp_path, model_dir):
+    """`--from-steps`: a serving engine's own record, timed by known coefficients."""
+    from quill.cost.calibrate import main as calibrate_main
+
+    write_tiny_config(tmp_path, model_dir)
+    truth = {
+        "overhead_s": 0.02,
+        "per_seq_s": 0.001,
+        "s_per_weight_byte": 0.0,
+        "s_per_linear_flop": 1 / 50e9,
+        "s_per_attention_flop": 1 / 20e9,
+        "s_per_kv_byte": 1 / 4e9,
+    }
+    info = {"model_path": str(tmp_path), "dtype": "float32"}
+    base = HardwareSpec("cpu", {"float32": 1e11}, 1e10, 8e9, calibration={**truth, **info})
+    base.save(tmp_path / "base.json")
+    model = ModelSpec.from_path(tmp_path, bytes_per_param=4)
+    model.dtype = "float32"
+    timed = CostModel(model, base)
+    rng = np.random.default_rng(3)
+    with (tmp_path / "steps.jsonl").open("w") as f:
+        for step in range(60):
+            batch = int(rng.integers(1, 40))
+            seqs = [[int(rng.integers(0, 900)), 1, True, True] for _ in range(batch)]
+            if step % 3 == 0:
+                seqs.append([0, int(rng.integers(16, 400)), True, False])
+            duration = timed.price(BatchShape.from_seqs(seqs)).predicted_s
+            f.write(json.dumps({"step": step, "duration": duration, "seqs": seqs}) + "\n")
+    out = tmp_path / "serving.json"
+    args = ["--from-steps", str(tmp_path / "steps.jsonl"), "--base", str(tmp_path / "base.json")]
+    assert calibrate_main([*args, "--out", str(out)]) == 0
+    fitted = HardwareSpec.load(out)
+    assert fitted.calibration["fitted_steps"] == 60
+    for key in ("per_seq_s", "s_per_linear_flop", "s_per_attention_flop", "s_per_kv_byte"):
+        assert fitted.coefficients[key] == pytest.approx(truth[key], rel=1e-3), key
+    # The intercept is split into weight streaming and a fixed cost; their sum is what's fitted.
+    intercept = (
+        fitted.coefficients["overhead_s"]
+        + model.weight_bytes * fitted.coefficients["s_per_weight_byte"]
+    )
+    assert intercept == pytest.approx(0.02, rel=1e-3)
+    assert calibrate_main(args) == 2  # --out is required

@@ -129,6 +129,7 @@ def fit_spec(
         flops=peaks["flops"],
         memory_bandwidth=peaks["memory_bandwidth"],
         memory_capacity=microbench.memory_capacity(device),
+        matmul_rates=matmul_rates(peaks["details"]["matmul_flops_per_s"].get(dtype), model),
     )
     roofline = CostModel(model, base)
     shapes, costs = fit.price_steps(roofline, [s.seqs for s in steps])
@@ -172,12 +173,36 @@ def fit_spec(
         memory_capacity=base.memory_capacity,
         step_overhead_s=step_overhead,
         calibration=calibration,
+        matmul_rates=base.matmul_rates,
         notes=(
             f"measured by `quill cost calibrate` on {len(steps)} engine steps of {model.name} "
             f"({dtype}, {_threads()} threads); flops and memory_bandwidth are microbenchmark "
             "peaks, calibration holds the fitted additive step-time model"
         ),
     )
+
+
+def matmul_rates(measured: dict | None, model: ModelSpec) -> dict | None:
+    """The layers' achieved FLOP/s per row count (their products' FLOPs over their summed
+    times, so each shape weighs by its size) and the lm_head's, from the microbenchmark."""
+    if not measured:
+        return None
+    from quill.cost.microbench import linear_shapes
+
+    sizes = {f"{name} {k}x{n}": k * n for name, k, n in linear_shapes(model)}
+    lm_head = next(key for key in sizes if key.startswith("lm_head"))
+    layer_keys = [key for key in sizes if key != lm_head and key in measured]
+    rows = sorted({int(t) for key in layer_keys for t in measured[key]})
+    layers = []
+    for t in rows:
+        if all(str(t) in measured[key] for key in layer_keys):
+            flops = sum(sizes[key] for key in layer_keys)
+            seconds = sum(sizes[key] / measured[key][str(t)] for key in layer_keys)
+            layers.append([t, flops / seconds])
+    out = {"layers": layers}
+    if lm_head in measured:
+        out["lm_head"] = [[int(t), r] for t, r in measured[lm_head].items()]
+    return out if layers else None
 
 
 def _default(value: int | None, default: int) -> int:
@@ -248,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads (default: every available core)")
     p.add_argument("--save-steps", metavar="FILE", help="also write the measured steps (JSONL)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--from-steps",
+        metavar="FILE",
+        help="fit on steps a running engine recorded (`quill serve --record-steps FILE`) "
+        "instead of a sweep, keeping the rates of --base: what a step costs while serving",
+    )
+    p.add_argument("--base", metavar="FILE", help="the hardware file --from-steps starts from")
     return p
 
 
@@ -264,6 +296,9 @@ def _main(args: argparse.Namespace) -> int:
     import json
 
     from quill.cost import microbench
+
+    if args.from_steps:
+        return _refit(args)
 
     threads = set_threads(args.threads)
     print(
@@ -304,6 +339,54 @@ def _main(args: argparse.Namespace) -> int:
     print("fitted coefficients:")
     print(describe(spec))
     print(f"took {time.perf_counter() - started:.0f} s; wrote {out}")
+    return 0
+
+
+def refit_spec(base: HardwareSpec, model: ModelSpec, steps: list[MeasuredStep]) -> HardwareSpec:
+    """`base` with its coefficients fitted again on other steps (its rates kept)."""
+    roofline = replace(base, calibration=None, step_overhead_s=0.0)
+    shapes, costs = fit.price_steps(CostModel(model, roofline), [s.seqs for s in steps])
+    durations = [s.duration for s in steps]
+    coefficients = fit.fit_calibration(
+        costs, shapes, durations, model.weight_bytes, 1 / base.memory_bandwidth, model.num_layers
+    )
+    layers = model.num_layers or 0
+    predicted = [fit.predict(coefficients, c, s, layers) for c, s in zip(costs, shapes)]
+    calibration = dict(base.calibration or {})
+    for key in ("kv_knee_bytes_per_layer", "s_per_kv_byte_over_knee"):
+        calibration.pop(key, None)
+    calibration.update(
+        coefficients,
+        fitted_steps=len(steps),
+        fit_error=_summary(steps, predicted),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    return replace(base, calibration=calibration)
+
+
+def _refit(args: argparse.Namespace) -> int:
+    from quill.engine.record import read_steps
+
+    if not args.base or not args.out:
+        raise ValueError("--from-steps needs --base FILE (the rates to keep) and --out FILE")
+    base = HardwareSpec.load(args.base)
+    info = base.calibration or {}
+    model = ModelSpec.from_path(
+        args.model or info["model_path"], 4 if info.get("dtype") == "float32" else 2
+    )
+    model.dtype = info.get("dtype", model.dtype)
+    steps = []
+    for record in read_steps(args.from_steps):
+        seqs = [tuple(x) for x in record["seqs"]]
+        decodes = sum(1 for x in seqs if x[3])
+        kind = "decode" if decodes == len(seqs) else "mixed" if decodes else "prefill"
+        steps.append(MeasuredStep(f"step {record['step']}", kind, record["duration"], seqs))
+    spec = refit_spec(base, model, steps)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    spec.save(args.out)
+    print(f"fitted on {len(steps)} recorded steps of {args.from_steps}:")
+    print(describe(spec))
+    print(f"wrote {args.out}")
     return 0
 
 

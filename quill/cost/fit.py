@@ -102,7 +102,7 @@ def features(cost: StepCost, shape: BatchShape) -> list[float]:
     return [
         1.0,
         float(shape.num_seqs),
-        cost.linear_flops,
+        cost.linear_flops_effective,
         cost.attention_flops,
         cost.kv_read_bytes + cost.kv_write_bytes,
     ]
@@ -188,7 +188,7 @@ def predict(
         c["overhead_s"]
         + c["per_seq_s"] * shape.num_seqs
         + c["s_per_weight_byte"] * cost.weight_bytes
-        + c["s_per_linear_flop"] * cost.linear_flops
+        + c["s_per_linear_flop"] * cost.linear_flops_effective
         + c["s_per_attention_flop"] * cost.attention_flops
         + c["s_per_kv_byte"] * kv
         + c.get("s_per_kv_byte_over_knee", 0.0) * max(0.0, kv - knee)

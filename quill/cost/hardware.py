@@ -74,6 +74,10 @@ class HardwareSpec:
     price_per_hour: float | None = None
     calibration: dict | None = None
     notes: str = ""
+    # Achieved matrix-multiply FLOP/s by rows per product, measured by `quill cost calibrate`:
+    # {"layers": [[tokens, FLOP/s], ...], "lm_head": [...]}. A CPU's GEMM runs 2-8 rows barely
+    # faster than one, so a single rate cannot price both a batch of 4 and a 512-token chunk.
+    matmul_rates: dict | None = None
     # Set by __post_init__: the calibration's coefficients only, extra keys dropped.
     coefficients: dict[str, float] | None = field(default=None, init=False, repr=False)
 
@@ -103,6 +107,8 @@ class HardwareSpec:
             self.price_per_hour = _check_rate("price_per_hour", self.price_per_hour)
         if self.calibration is not None:
             self.coefficients = _check_calibration(self.calibration)
+        if self.matmul_rates is not None:
+            self.matmul_rates = _check_matmul_rates(self.matmul_rates)
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for arithmetic in `dtype`."""
@@ -136,7 +142,7 @@ class HardwareSpec:
         if not isinstance(d, dict):
             raise ValueError(f"a hardware spec is a JSON object, got {type(d).__name__}")
         known = {"name", "flops", "memory_bandwidth", "memory_capacity", "interconnect_bandwidth"}
-        known |= {"step_overhead_s", "price_per_hour", "calibration", "notes"}
+        known |= {"step_overhead_s", "price_per_hour", "calibration", "notes", "matmul_rates"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown hardware spec keys {unknown}; known: {sorted(known)}")
@@ -195,6 +201,21 @@ def _check_calibration(calibration: dict) -> dict[str, float]:
             raise ValueError(f"calibration {key} must be >= 0 and finite, got {value!r}")
         coefficients[key] = value
     return coefficients
+
+
+def _check_matmul_rates(rates: dict) -> dict[str, list[list[float]]]:
+    if not isinstance(rates, dict) or "layers" not in rates:
+        raise ValueError('matmul_rates must be {"layers": [[tokens, FLOP/s], ...], ...}')
+    out = {}
+    for name, curve in rates.items():
+        try:
+            points = sorted((int(t), float(r)) for t, r in curve)
+        except (TypeError, ValueError):
+            raise ValueError(f"matmul_rates[{name!r}] must be [[tokens, FLOP/s], ...]") from None
+        if not points or any(t < 1 or not (r > 0 and math.isfinite(r)) for t, r in points):
+            raise ValueError(f"matmul_rates[{name!r}] needs tokens >= 1 and positive rates")
+        out[name] = [[t, r] for t, r in points]
+    return out
 
 
 def _normalize(name: str) -> str:

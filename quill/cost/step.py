@@ -37,6 +37,9 @@ class StepCost:
     roofline_s: float
     predicted_s: float
     bound: str
+    # FLOPs weighted by how slowly the hardware runs products of this many rows (see
+    # HardwareSpec.matmul_rates): what the calibrated model charges for; = linear_flops without.
+    linear_flops_effective: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -95,6 +98,9 @@ class CostModel:
         self._inv_bandwidth = 1.0 / hardware.memory_bandwidth
         self._overhead = hardware.step_overhead_s
         self._coef = hardware.coefficients
+        self._slowdown = None
+        if hardware.matmul_rates is not None and not model.is_abstract:
+            self._slowdown = _slowdown_tables(hardware.matmul_rates)
         # KV traffic past the calibration's knee (per layer, so per pass x num_layers) costs more.
         coef = self._coef or {}
         self._kv_knee = coef.get("kv_knee_bytes_per_layer", 0.0) * (model.num_layers or 0)
@@ -111,8 +117,18 @@ class CostModel:
             batch = BatchShape.from_plan(batch)
         n = batch.num_tokens
         if n == 0:  # nothing runs, nothing is read
-            return StepCost(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, "movement")
-        linear = self._linear_per_token * n + self._linear_per_sampled * batch.num_sampled
+            return StepCost(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, "movement", 0.0)
+        sampled = batch.num_sampled
+        linear = self._linear_per_token * n + self._linear_per_sampled * sampled
+        slow = self._slowdown
+        if slow is None:
+            linear_effective = linear
+        else:
+            layers, lm_head = slow
+            linear_effective = self._linear_per_token * n * layers[min(n, len(layers) - 1)]
+            linear_effective += (
+                self._linear_per_sampled * sampled * lm_head[min(sampled, len(lm_head) - 1)]
+            )
         attention = self._attention_per_pair * batch.attention_pairs
         kv_read = self._kv_per_token * batch.kv_tokens_read
         kv_write = self._kv_per_token * batch.kv_tokens_written
@@ -133,7 +149,7 @@ class CostModel:
                 c["overhead_s"]
                 + c["per_seq_s"] * batch.num_seqs
                 + c["s_per_weight_byte"] * self.weight_bytes
-                + c["s_per_linear_flop"] * linear
+                + c["s_per_linear_flop"] * linear_effective
                 + c["s_per_attention_flop"] * attention
                 + c["s_per_kv_byte"] * (kv_read + kv_write)
                 + self._s_over_knee * max(0.0, kv_read + kv_write - self._kv_knee)
@@ -153,6 +169,7 @@ class CostModel:
             roofline_s,
             predicted_s,
             bound,
+            linear_effective,
         )
 
     # -- memory ----------------------------------------------------------------------------
@@ -184,3 +201,29 @@ class CostModel:
         capacity = self.kv_capacity_tokens(memory_fraction)
         fits = math.inf if math.isinf(capacity) else capacity // context_len
         return fits if limit is None else min(fits, limit)
+
+
+def _slowdown_tables(rates: dict) -> tuple[list[float], list[float]]:
+    """Per row count 0..max measured, how many times slower than the layers' best rate a
+    product of that many rows runs (interpolated in log2(rows); held flat past the ends)."""
+    best = max(r for _, r in rates["layers"])
+
+    def table(curve: list[list[float]]) -> list[float]:
+        top = int(curve[-1][0])
+        out = [1.0]  # row 0: nothing to multiply (the factor is never used with 0 FLOPs)
+        for rows in range(1, top + 1):
+            out.append(best / _interpolate(curve, rows))
+        return out
+
+    layers = table(rates["layers"])
+    return layers, table(rates.get("lm_head", rates["layers"]))
+
+
+def _interpolate(curve: list[list[float]], rows: int) -> float:
+    if rows <= curve[0][0]:
+        return curve[0][1]
+    for (t0, r0), (t1, r1) in zip(curve, curve[1:]):
+        if rows <= t1:
+            f = (math.log2(rows) - math.log2(t0)) / (math.log2(t1) - math.log2(t0))
+            return r0 + f * (r1 - r0)
+    return curve[-1][1]

@@ -190,18 +190,24 @@ class Sweep:
 
     def run(self, cases: Iterable[Case], desc: str = "steps", progress: bool = True):
         """Every case in turn, with a progress bar counting the real steps."""
+        return self.run_tagged([("", c) for c in cases], desc, progress)[""]
+
+    def run_tagged(
+        self, tagged: list[tuple[str, Case]], desc: str = "steps", progress: bool = True
+    ) -> dict[str, list[MeasuredStep]]:
+        """Cases in the order given, their steps gathered by tag. Interleaving two sweeps
+        (calibration and evaluation) makes the machine's drift between minutes hit both alike."""
         from tqdm import tqdm
 
-        cases = list(cases)
-        total = sum(c.warmup + c.steps for c in cases)
-        out: list[MeasuredStep] = []
-        if cases:  # the process's first real steps pay one-off costs (allocator, thread pool)
-            first = cases[0]
+        total = sum(c.warmup + c.steps for _, c in tagged)
+        out: dict[str, list[MeasuredStep]] = {tag: [] for tag, _ in tagged}
+        if tagged:  # the process's first real steps pay one-off costs (allocator, thread pool)
+            first = tagged[0][1]
             self.run_case(replace(first, steps=1, warmup=1))
         with tqdm(total=total, desc=desc, unit="step", disable=not progress) as bar:
-            for case in cases:
+            for tag, case in tagged:
                 bar.set_postfix_str(case.label)
-                out += self.run_case(case, lambda: bar.update(1))
+                out[tag] += self.run_case(case, lambda: bar.update(1))
         return out
 
 
