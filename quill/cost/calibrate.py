@@ -31,7 +31,7 @@ from quill.cost.sweep import Case, MeasuredStep, Sweep, engine_for
 def calibration_cases(
     max_batch: int = 64,
     max_context: int = 1536,
-    max_chunk: int = 1024,
+    max_chunk: int = 2048,
     steps: int = 2,
     warmup: int = 1,
     quick: bool = False,
@@ -50,7 +50,7 @@ def calibration_cases(
     # so a knee near the last-level cache has steps on both sides of it.
     batches = upto([1, 16, 64] if quick else [1, 4, 16, 32, 64], max_batch)
     contexts = upto([32, 384, 1536] if quick else [32, 256, 768, 1536], max_context)
-    chunks = upto([16, 128, 512] if quick else [16, 64, 256, 512, 1024], max_chunk)
+    chunks = upto([16, 128, 512] if quick else [16, 64, 256, 512, 1024, 2048], max_chunk)
     mid_batch, mid_context = batches[len(batches) // 2], contexts[len(contexts) // 2]
     small_chunk, mid_chunk = chunks[0], chunks[len(chunks) // 2]
     cases = [Case(b, c) for c in contexts for b in batches]
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a smaller sweep (about a minute)")
     p.add_argument("--max-batch", type=int, help="largest decode batch (default 64)")
     p.add_argument("--max-context", type=int, help="longest context (default 1536)")
-    p.add_argument("--max-chunk", type=int, help="largest prompt chunk (default 1024; quick 512)")
+    p.add_argument("--max-chunk", type=int, help="largest prompt chunk (default 2048; quick 512)")
     p.add_argument("--steps", type=int, help="measured steps per shape (default 2; quick 1)")
     p.add_argument("--warmup", type=int, default=1, help="discarded steps per shape (default 1)")
     p.add_argument("--threads", type=int, help="torch threads (default: every available core)")
@@ -308,7 +308,7 @@ def _main(args: argparse.Namespace) -> int:
     cases = calibration_cases(
         _default(args.max_batch, 64),
         _default(args.max_context, 1536),
-        _default(args.max_chunk, 512 if args.quick else 1024),
+        _default(args.max_chunk, 512 if args.quick else 2048),
         _default(args.steps, 1 if args.quick else 2),
         args.warmup,
         args.quick,
