@@ -8,9 +8,10 @@ TTFT and inter-token latency at p50 and p99. Target: within 20%.
 
 On a small machine the engine shares its cores with the HTTP side and the client, and its steps
 run slower than they did alone when the machine was calibrated. So by default the step model
-is first refitted on steps the server itself recorded under load, from a workload of another
-seed (`quill cost calibrate --from-steps`), keeping the calibration's measured rates; with
-`--no-serving-calibration` the simulator uses the calibration as it is.
+is first refitted on steps the server itself recorded under load, from workloads of other
+seeds (a Poisson stream and a burst; `quill cost calibrate --from-steps`), keeping the
+calibration's measured rates; with `--no-serving-calibration` the simulator uses the
+calibration as it is.
 
     .venv/bin/python benchmarks/bench_sim_vs_server.py --hardware FILE --json out.json
 
@@ -177,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.serving_calibration:
             # The engine shares this machine with the HTTP side and the client: fit the step
             # model on steps the server recorded under load (another seed: held out).
-            rate = saturation(config) * 0.6
-            print(f"serving calibration: {args.num_prompts} requests at {rate:.3f} req/s")
-            items = workload(rate, seed=args.seed + 100)
-            asyncio.run(run_workload(server.url, model_name, items, make_prompt))
+            # Two loads, so the steps span small and full batches: a Poisson stream at 60% of
+            # the calibration's saturation, and a burst of every request at once.
+            for rate, seed in ((saturation(config) * 0.6, 100), (float("inf"), 101)):
+                print(f"serving calibration: {args.num_prompts} requests at {rate:.3f} req/s")
+                items = workload(rate, seed=args.seed + seed)
+                asyncio.run(run_workload(server.url, model_name, items, make_prompt))
             lines = steps_file.read_text().splitlines()[num_warm:]
             recorded = steps_file.with_name("serving-steps.jsonl")
             recorded.write_text("\n".join(lines) + "\n")
