@@ -31,7 +31,7 @@ from pathlib import Path
 from quill.cost import fit
 from quill.cost.calibrate import calibration_cases, cpu_info, describe, fit_spec, set_threads
 from quill.cost.hardware import HardwareSpec
-from quill.cost.model import ModelSpec
+from quill.cost.model import ModelSpec, bytes_per_element
 from quill.cost.step import CostModel
 from quill.cost.sweep import Case, MeasuredStep, Sweep, engine_for
 
@@ -203,7 +203,7 @@ def _rescored(args: argparse.Namespace) -> dict:
         from quill.model.default_model import default_model_dir
 
         path = default_model_dir()
-    size = {"float32": 4}.get(old["dtype"], 2)
+    size = bytes_per_element(old["dtype"])
     model = ModelSpec.from_path(path, old.get("bytes_per_param", size))
     model.dtype = old["dtype"]
     if args.hardware:

@@ -37,12 +37,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from quill.bench.client import random_prompt, run_workload, summarize
-from quill.config import cache_dir
 from quill.cost.calibrate import cpu_info
 from quill.cost.calibrate import main as calibrate_main
 from quill.cost.hardware import HardwareSpec
-from quill.cost.live import find_calibration
-from quill.cost.model import ModelSpec
+from quill.cost.live import find_calibration_file
+from quill.cost.model import ModelSpec, bytes_per_element
 from quill.cost.step import CostModel
 from quill.sim.cluster import run_colocated
 from quill.sim.config import SimConfig
@@ -125,18 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         hardware = HardwareSpec.resolve(args.hardware)
         hardware_path = args.hardware
     else:
-        hardware = find_calibration(args.dtype)
-        if hardware is None:
+        found = find_calibration_file(args.dtype)
+        if found is None:
             raise SystemExit("no calibration for this machine: run `quill cost calibrate` first")
-        hardware_path = str(
-            max((cache_dir() / "hardware").glob("*.json"), key=lambda f: f.stat().st_mtime)
-        )
+        hardware, hardware_path = HardwareSpec.load(found), str(found)
     base_hardware = hardware
     from quill.model.default_model import default_model_dir
 
     model_dir = default_model_dir()
-    bytes_per_param = 4 if args.dtype == "float32" else 2
-    model = ModelSpec.from_path(model_dir, bytes_per_param=bytes_per_param)
+    model = ModelSpec.from_path(model_dir, bytes_per_param=bytes_per_element(args.dtype))
     config = SimConfig.create(
         model,
         hardware,

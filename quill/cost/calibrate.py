@@ -23,7 +23,7 @@ from pathlib import Path
 
 from quill.cost import fit
 from quill.cost.hardware import HardwareSpec
-from quill.cost.model import ModelSpec
+from quill.cost.model import ModelSpec, bytes_per_element
 from quill.cost.step import CostModel
 from quill.cost.sweep import Case, MeasuredStep, Sweep, engine_for
 
@@ -372,7 +372,7 @@ def _refit(args: argparse.Namespace) -> int:
     base = HardwareSpec.load(args.base)
     info = base.calibration or {}
     model = ModelSpec.from_path(
-        args.model or info["model_path"], 4 if info.get("dtype") == "float32" else 2
+        args.model or info["model_path"], bytes_per_element(info.get("dtype", "bfloat16"))
     )
     model.dtype = info.get("dtype", model.dtype)
     steps = []

@@ -120,6 +120,12 @@ class CostAccountant:
 
 def find_calibration(dtype: str, directory: Path | None = None) -> HardwareSpec | None:
     """The newest `quill cost calibrate` file saved on this machine for `dtype`, if any."""
+    path = find_calibration_file(dtype, directory)
+    return HardwareSpec.load(path) if path else None
+
+
+def find_calibration_file(dtype: str, directory: Path | None = None) -> Path | None:
+    """The path of what `find_calibration` loads."""
     directory = directory or cache_dir() / "hardware"
     found = []
     for path in directory.glob("*.json"):
@@ -130,4 +136,4 @@ def find_calibration(dtype: str, directory: Path | None = None) -> HardwareSpec 
         calibration = spec.get("calibration") or {}
         if calibration.get("dtype", dtype) == dtype and spec.get("flops", {}).get(dtype):
             found.append((path.stat().st_mtime, path))
-    return HardwareSpec.load(max(found)[1]) if found else None
+    return max(found)[1] if found else None

@@ -16,7 +16,12 @@ from quill.cost.hardware import canonical_dtype
 from quill.model.config import ModelConfig
 
 _DTYPE_BY_BYTES = {4: "float32", 2: "bfloat16", 1: "int8"}
-_BYTES_BY_TORCH_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_BYTES_BY_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def bytes_per_element(dtype: str) -> int:
+    """Bytes of one weight or KV element stored in `dtype` (2 for names it does not know)."""
+    return _BYTES_BY_DTYPE.get(canonical_dtype(str(dtype)), 2)
 
 
 @dataclass
@@ -133,7 +138,7 @@ class ModelSpec:
         except json.JSONDecodeError as e:
             raise ValueError(f"{str(path)!r} is not valid JSON: {e}") from e
         if bytes_per_param is None:
-            bytes_per_param = _BYTES_BY_TORCH_DTYPE.get(str(config.get("torch_dtype")), 2)
+            bytes_per_param = bytes_per_element(config.get("torch_dtype"))
         return cls.from_hf_config(config, bytes_per_param, name=path.parent.name)
 
     @classmethod

@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 
 from quill.cost.hardware import HardwareSpec
-from quill.cost.model import ModelSpec
+from quill.cost.model import ModelSpec, bytes_per_element
 from quill.engine_args import add_scheduler_arguments
 from quill.sim.capacity import find_capacity, meets, replicas_needed
 from quill.sim.cluster import ROUTERS, run_colocated, run_disaggregated
@@ -269,7 +269,7 @@ def _setup(args: argparse.Namespace):
         raise ValueError("--capacity scales a synthetic workload's rate; it cannot use --trace")
     if args.capacity_tolerance >= 1:
         raise ValueError(f"--capacity-tolerance must be below 1, got {args.capacity_tolerance}")
-    bytes_per_param = {"auto": None, "float32": 4, "bfloat16": 2}[args.dtype]
+    bytes_per_param = None if args.dtype == "auto" else bytes_per_element(args.dtype)
     model = ModelSpec.resolve(args.model, bytes_per_param)
     hardware = HardwareSpec.resolve(args.hardware)
     if args.disaggregate and hardware.interconnect_bandwidth is None:
