@@ -1,185 +1,194 @@
-"""Engine benchmark: quill against Hugging Face transformers, same weights, same dtype, one run.
+"""Engine benchmark: quill against transformers and llama.cpp on the same model and machine.
 
-Measures the wait (prefill of a 512- and a 2000-token prompt) and the pace (decode step time
-and output tokens/s at 1, 4, 16 and 64 concurrent sequences of 128 new tokens), and prints
-quill/transformers ratios. Usage:
+Why: quill's speed only means something next to the engines people would use instead. This
+measures, for quill in each precision variant, transformers (same weights, same dtype) and
+llama.cpp (GGUF files of the same model, built by benchmarks/peers/build_llama_cpp.sh):
 
-    .venv/bin/python benchmarks/bench_engine.py [--dtype float32] [--json out.json]
+- decode: output tokens/s and decode step time for 1, 4, 16 and 64 concurrent sequences with
+  32-token prompts and 128 new tokens;
+- long-context decode: 16 and 64 sequences at 1,500 tokens of context (decode phase only),
+  with the KV read rate of quill's steps next to the machine's weight-streaming rate;
+- prompts: time to first token of a 512- and a 2000-token prompt.
+
+The machine drifts (20% between minutes), so every measurement alternates the columns round
+after round and keeps each one's best; run it on an otherwise idle machine (llama.cpp's spinning
+threads slow down many-fold when another process shares the cores). Each fp32 quill variant
+holds a KV pool of about 6 GB for the default long-context rows. Ratios quill/peer come out
+as markdown tables; --plot draws tokens/s against batch size under a measured roofline. Usage:
+
+    .venv/bin/python benchmarks/bench_engine.py [--quill-variants fp32,bf16,int8]
+        [--llama-types f32,q8_0] [--skip-hf] [--skip-llama] [--json out.json] [--plot out.png]
+    .venv/bin/python benchmarks/bench_engine.py --quick --quill-variants fp32   # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
+import sys
 import time
-from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 
-from quill import LLM, SamplingParams
-from quill.model.default_model import default_model_dir
+# The parts live in benchmarks/engine/; the repo root on the path makes `benchmarks` importable
+# however this script is started.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 40000, (n,), generator=gen).tolist()
-
-
-def quill_prefill(llm: LLM, n: int, repeats: int) -> float:
-    times = []
-    for r in range(repeats):
-        out = llm.generate([prompt_ids(n, r)], SamplingParams(max_tokens=1), use_tqdm=False)[0]
-        times.append(out.metrics.time_to_first_token)
-    return min(times)
-
-
-def quill_decode(llm: LLM, batch: int, new_tokens: int) -> dict:
-    engine = llm.engine
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(prompt_ids(32, 1000 + i), params)
-    step_times = []
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        engine.step()
-        if engine.last_step and engine.last_step.num_prefill_tokens == 0:
-            step_times.append(time.perf_counter() - t)
-    total = time.perf_counter() - start
-    return {
-        "step_ms": 1000 * statistics.median(step_times),
-        "tokens_per_s": batch * new_tokens / total,
-    }
-
-
-def hf_prefill(model, n: int, repeats: int) -> float:
-    times = []
-    for r in range(repeats):
-        ids = torch.tensor([prompt_ids(n, r)])
-        with torch.inference_mode():
-            t = time.perf_counter()
-            model(ids, logits_to_keep=1)
-            times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def hf_decode(model, batch: int, new_tokens: int) -> dict:
-    ids = torch.tensor([prompt_ids(32, 1000 + i) for i in range(batch)])
-    with torch.inference_mode():
-        t = time.perf_counter()
-        model(ids, logits_to_keep=1)
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        total = time.perf_counter() - t
-    return {
-        "step_ms": 1000 * max(total - prefill, 0) / (new_tokens - 1),
-        "tokens_per_s": batch * new_tokens / total,
-    }
+from benchmarks.engine.machine import (  # noqa: E402
+    gemm_flops,
+    machine_info,
+    matmul_params,
+    weight_stream_rate,
+)
+from benchmarks.engine.measure import measure  # noqa: E402
+from benchmarks.engine.peer_columns import HFColumn, LlamaColumn  # noqa: E402
+from benchmarks.engine.quill_column import QuillColumn, long_slack  # noqa: E402
+from benchmarks.engine.report import plot, print_tables  # noqa: E402
+from benchmarks.engine.variants import parse_variant  # noqa: E402
+from quill.model.config import ModelConfig  # noqa: E402
+from quill.model.default_model import default_model_dir  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batches", default="1,4,16,64")
-    parser.add_argument("--prompts", default="512,2000")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; best kept")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quill-variants", default="auto", help="e.g. fp32,bf16,int8,bf16+int8")
+    parser.add_argument("--llama-types", default="f32,q8_0", help="GGUF types: f32,bf16,q8_0,q4_1")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt of the decode rows")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", default="512,2000", help="time-to-first-token prompts")
+    parser.add_argument("--long-context", type=int, default=1500)
+    parser.add_argument("--long-batches", default="16,64")
+    parser.add_argument("--long-new-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; best kept")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--llama-reps", type=int, default=1, help="llama-bench -r")
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes per quill LLM")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="short smoke run (a few minutes)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--plot", default=None, help="tokens/s against batch size, PNG")
     args = parser.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
-    prompts = [int(p) for p in args.prompts.split(",")]
+    if args.quick:
+        args.batches, args.new_tokens, args.prompts, args.rounds = "1,4", 16, "128", 1
+        args.long_context, args.long_batches, args.long_new_tokens = 256, "4", 8
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    prompts = [int(p) for p in args.prompts.split(",") if p]
+    long_batches = [int(b) for b in args.long_batches.split(",") if b]
+    variants = [v.strip() for v in args.quill_variants.split(",") if v.strip()]
+    llama_types = [t.strip() for t in args.llama_types.split(",") if t.strip()]
+    started = time.perf_counter()
 
-    llm = LLM(dtype=args.dtype, kv_cache_memory=1 << 30, compile=args.compile)
-    dtype = llm.engine.dtype
-    model = None
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=dtype).eval()
-    results: dict = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"cpu capability {torch.backends.cpu.get_cpu_capability()}",
-        "dtype": str(dtype),
-        "token_budget": llm.engine.scheduler.token_budget,
-        "quill": {"prefill_s": {}, "decode": {}},
-        "transformers": {"prefill_s": {}, "decode": {}},
-    }
-    # Warm-up: first calls allocate and pick kernels.
-    llm.generate([prompt_ids(64, 99)], SamplingParams(max_tokens=4), use_tqdm=False)
-    if model is not None:
-        hf_prefill(model, 64, 1)
-    q, h = results["quill"], results["transformers"]
-    # The machine is shared and its speed drifts: each measurement alternates quill and
-    # transformers, round after round, and keeps each side's best.
-    for n in prompts:
-        for _ in range(args.rounds):
-            q["prefill_s"][n] = min(q["prefill_s"].get(n, 1e9), quill_prefill(llm, n, 1))
-            if model is not None:
-                h["prefill_s"][n] = min(h["prefill_s"].get(n, 1e9), hf_prefill(model, n, 1))
-        print(
-            f"prefill {n}: quill {q['prefill_s'][n]:.3f} s, hf {h['prefill_s'].get(n)}", flush=True
+    # The KV pool holds the largest row: the long-context rows decode up to long_slack tokens
+    # past their prompts. quill zeroes its pool, so it is sized per variant's KV element size.
+    kv_tokens = max(
+        [
+            b * (args.long_context + args.long_new_tokens + long_slack(b, args.long_context, None))
+            for b in long_batches
+        ]
+        + [b * (args.prompt_len + args.new_tokens) for b in batches]
+        + [p + 16 for p in prompts]
+    )
+    with open(default_model_dir() / "config.json") as f:
+        kv_per_token = ModelConfig.from_hf_dict(json.load(f)).kv_bytes_per_token
+    quill_cols = []
+    for v in variants:
+        element = 2 if parse_variant(v)["dtype"] in ("bfloat16", "float16") else 4
+        kv_memory = args.kv_cache_memory or max(
+            1 << 28, int(1.1 * kv_tokens * kv_per_token * element) + (64 << 20)
         )
-    for b in batches:
-        for _ in range(args.rounds):
-            q["decode"][b] = _best(q["decode"].get(b), quill_decode(llm, b, args.new_tokens))
-            if model is not None:
-                h["decode"][b] = _best(h["decode"].get(b), hf_decode(model, b, args.new_tokens))
-        print(f"decode x{b}: quill {q['decode'][b]}, hf {h['decode'].get(b)}", flush=True)
+        print(f"loading quill {v} (KV pool {kv_memory / 2**30:.2f} GiB)", flush=True)
+        quill_cols.append(QuillColumn(v, kv_memory, args.compile))
+    cfg = quill_cols[0].llm.engine.model_config
+    hf_cols = []
+    if not args.skip_hf:
+        dtypes = [c.dtype for c in quill_cols if "quantization" not in c.options]
+        for dtype in dict.fromkeys(dtypes or [quill_cols[0].dtype]):
+            hf_cols.append(HFColumn(dtype))
+    llama_cols = []
+    llama_info = None
+    if not args.skip_llama:
+        for t in llama_types:
+            llama_cols.append(LlamaColumn(t, args.threads, args.llama_reps))
+        if llama_cols:
+            llama_info = llama_cols[0].lc.build_info()
+    columns = [*quill_cols, *hf_cols, *llama_cols]
 
-    print_table(results, prompts, batches)
+    print("measuring the machine: weight streaming and fp32 GEMM", flush=True)
+    stream_bps = weight_stream_rate()
+    flops = gemm_flops()
+    params = matmul_params(cfg)
+    results: dict = {
+        "machine": machine_info(args.threads),
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "quill_variants llama_types batches prompt_len new_tokens prompts long_context "
+                "long_batches long_new_tokens rounds llama_reps compile quick"
+            ).split()
+        },
+        "llama_cpp": llama_info,
+        "rates": {
+            "weight_stream_Bps": stream_bps,
+            "gemm_fp32_flops": flops,
+            "matmul_params_per_token": params,
+        },
+        "columns": {
+            c.name: {
+                "kind": c.kind,
+                "precision": c.precision,
+                "weight_bytes": c.weight_bytes,
+                **({"options": c.options} if c.kind == "quill" else {}),
+                **(
+                    {"token_budget": c.llm.engine.scheduler.token_budget}
+                    if c.kind == "quill"
+                    else {}
+                ),
+            }
+            for c in columns
+        },
+    }
+    print(
+        f"weight streaming {stream_bps / 1e9:.1f} GB/s, fp32 GEMM {flops / 1e9:.0f} GFLOP/s, "
+        f"{params / 1e6:.1f} M matmul params per token",
+        flush=True,
+    )
+
+    r = args.rounds
+    for n in prompts:
+        measure(columns, results, "prefill", n, r, "prefill", n, 0)
+    for b in batches:
+        measure(columns, results, "decode", b, r, "decode", b, args.prompt_len, args.new_tokens)
+    if 1 in batches and llama_cols:
+        measure(columns, results, "decode_only", 1, r, "bench_decode", args.new_tokens)
+    for b in long_batches:
+        measure(
+            columns,
+            results,
+            "long_decode",
+            b,
+            r,
+            "long_decode",
+            b,
+            args.long_context,
+            args.long_new_tokens,
+        )
+    results["minutes"] = (time.perf_counter() - started) / 60
+
+    print_tables(results, columns, prompts, batches, long_batches, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-
-
-def _best(old: dict | None, new: dict) -> dict:
-    if old is None:
-        return new
-    return {
-        "step_ms": min(old["step_ms"], new["step_ms"]),
-        "tokens_per_s": max(old["tokens_per_s"], new["tokens_per_s"]),
-    }
-
-
-def print_table(results: dict, prompts: list[int], batches: list[int]) -> None:
-    q, h = results["quill"], results["transformers"]
-    print(f"\n{results['machine']}, {results['dtype']}, {results['date']}")
-    print("| measure | quill | transformers | quill / transformers |")
-    print("|---|---|---|---|")
-    for n in prompts:
-        qs, hs = q["prefill_s"][n], h["prefill_s"].get(n)
-        ratio = f"{hs / qs:.2f}x faster" if hs else "-"
-        print(f"| prefill {n} tokens | {qs:.2f} s | {hs or 0:.2f} s | {ratio} |")
-    for b in batches:
-        qd, hd = q["decode"][b], h["decode"].get(b)
-        if hd:
-            step_ratio = f"{hd['step_ms'] / qd['step_ms']:.2f}x faster"
-            tps_ratio = f"{qd['tokens_per_s'] / hd['tokens_per_s']:.2f}x"
-        else:
-            step_ratio = tps_ratio = "-"
-        hd = hd or {"step_ms": 0, "tokens_per_s": 0}
-        print(
-            f"| decode step, {b} seqs | {qd['step_ms']:.1f} ms | {hd['step_ms']:.1f} ms "
-            f"| {step_ratio} |"
-        )
-        print(
-            f"| output tok/s, {b} seqs | {qd['tokens_per_s']:.0f} | {hd['tokens_per_s']:.0f} "
-            f"| {tps_ratio} |"
-        )
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, columns, batches, long_batches, args)
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; default from free memory
     block_size: int = 16
     compile: bool = False  # torch.compile with bucketed batch sizes (slow start, faster steps)
+    # Weight-only quantization: none | int8 | int4 | auto (auto measures here at start-up and
+    # keeps an int8 copy for the batch sizes where it is faster than the float weights).
+    quantization: str | None = "none"
     seed: int = 0
     tokenizer: str | None = None
     record_steps: str | None = None  # JSONL file: every step's plan composition and wall time
@@ -50,5 +53,11 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.price_per_hour is not None and not self.price_per_hour > 0:
             raise ValueError(f"price_per_hour must be positive, got {self.price_per_hour}")
+        if self.quantization is None:
+            self.quantization = "none"
+        if self.quantization not in ("none", "int8", "int4", "auto"):
+            raise ValueError(
+                f"unknown quantization {self.quantization!r} (none | int8 | int4 | auto)"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")

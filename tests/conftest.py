@@ -43,7 +43,13 @@ def model_dir():
 def llm(model_dir):
     from quill import LLM
 
-    return LLM(str(model_dir), dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=64)
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        quantization="none",
+        kv_cache_memory=256 << 20,
+        max_num_seqs=64,
+    )
 
 
 @pytest.fixture(scope="session")

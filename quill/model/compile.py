@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import fields
 
 import torch
 
+from quill.model.attention import AttentionMetadata
 from quill.model.default_model import cache_dir
 
 log = logging.getLogger(__name__)
@@ -39,16 +41,23 @@ class BucketedForward:
     def padded_size(self, num_tokens: int) -> int:
         return next((b for b in self.buckets if b >= num_tokens), num_tokens)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        # The layout's shapes change every step but only the opaque attention op reads them:
+        # symbolic sizes keep them from triggering recompiles.
+        for field in fields(meta):
+            tensor = getattr(meta, field.name)
+            if tensor is not None and field.name != "slot_mapping":
+                for dim in range(tensor.dim()):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
         n = input_ids.shape[0]
         if n not in self.seen:
             self.seen.add(n)
             log.info("compiling the model for %d tokens per step (once; cached on disk)", n)
             start = time.perf_counter()
-            out = self.compiled(input_ids, positions)
+            out = self.compiled(input_ids, positions, kv_caches, meta)
             log.info("compiled %d-token step in %.1f s", n, time.perf_counter() - start)
             return out
-        return self.compiled(input_ids, positions)
+        return self.compiled(input_ids, positions, kv_caches, meta)
 
 
 def compile_runner(runner, token_budget: int) -> None:

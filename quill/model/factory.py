@@ -48,6 +48,7 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
     else:
         model_path = Path(config.model).expanduser()
     loaded = load_model(model_path, config.load_format, dtype, device)
+    _quantize(loaded.model, config.quantization, device)
     tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source
     tokenizer = Tokenizer.load(tok_source, loaded.config.eos_token_ids)
     ctx = loaded.config.max_position_embeddings
@@ -73,6 +74,24 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
         budget,
         num_blocks,
     )
+
+
+def _quantize(model, method: str, device: torch.device) -> None:
+    from quill.model.quant import choose_quantization, quantize_model
+
+    max_rows = None
+    if method == "auto":
+        method, max_rows = choose_quantization(model, device)
+    if method == "none":
+        log.info("weights: %s, not quantized", next(model.parameters()).dtype)
+        return
+    quantize_model(model, method, max_rows)
+    if max_rows is None:
+        log.info("weights: %s weight-only quantization", method)
+    else:
+        log.info(
+            "weights: %s for steps of up to %d tokens (faster here), float above", method, max_rows
+        )
 
 
 def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, device, max_model_len: int) -> int:

@@ -1,8 +1,9 @@
 """The model runner: the torch executor that turns a step plan into sampled tokens.
 
-It owns the model, the KV cache tensors and the sampler. Per step it lays the scheduled tokens
-out flat (no padding), builds the attention layout for the paged cache, runs one forward pass,
-maps only the rows that sample to logits, and samples them.
+It owns the model, the KV cache tensors, the attention workspaces and the sampler. Per step it
+lays the scheduled tokens out flat (decodes first, no padding), builds the attention layout for
+the paged cache, runs one forward pass with both passed in, maps only the rows that sample to
+logits, and samples them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import torch
 
 from quill.engine.plan import SeqPlan, StepPlan, StepResult
-from quill.model.attention import AttentionMetadata, ForwardContext, build_group, forward_context
+from quill.model.attention import AttentionLayout
 from quill.model.llama import LlamaForCausalLM
 from quill.model.sampler import Sampler, SampleResult
 
@@ -41,7 +42,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.scratch_block = 0
-        self.scale = self.config.head_dim**-0.5
+        self.layout: AttentionLayout | None = None  # set with the cache
         self.forward = model.forward  # replaced by a compiled wrapper when compiling
         self.padded_size = lambda num_tokens: num_tokens  # compiled steps pad to a bucket
 
@@ -61,25 +62,27 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self.scratch_block = num_blocks
+        self.layout = AttentionLayout(
+            c.num_kv_heads, c.head_dim, self.block_size, num_blocks, self.dtype, self.device
+        )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self.sampler.free(request_id)
+        # Decodes (one query) first, then prompt chunks: attention takes each group as a slice.
+        seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) > 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
         sampling: list[SeqPlan] = []
-        decode, prefill = [], []  # (first flat index, q_len, context_len, block table)
         bs = self.block_size
-        for s in plan.seqs:
+        for s in seqs:
             start, n, table = s.start, len(s.token_ids), s.block_table
-            first = len(input_ids)
             input_ids.extend(s.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            (decode if n == 1 else prefill).append((first, n, start + n, table))
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
@@ -91,15 +94,10 @@ class ModelRunner:
             positions.extend([0] * num_padding)
             slots.extend([self.scratch_block * bs] * num_padding)
         dev = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            groups=[self._group(g) for g in (decode, prefill) if g],
-        )
+        meta = self.layout.build(seqs, torch.tensor(slots, dtype=torch.long, device=dev))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        ctx = ForwardContext(metadata, self.kv_caches, self.scale)
-        with forward_context(ctx):
-            hidden = self.forward(ids, pos)
+        hidden = self.forward(ids, pos, self.kv_caches, meta)
         if not sample_rows:
             return StepResult({}, {})
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
@@ -108,21 +106,3 @@ class ModelRunner:
         sampled = {s.request_id: t for s, t in zip(sampling, result.token_ids)}
         logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs) if lp is not None}
         return StepResult(sampled, logprobs)
-
-    def _group(self, seqs: list[tuple[int, int, int, list[int]]]):
-        dev = self.device
-        max_q = max(q for _, q, _, _ in seqs)
-        max_blocks = max(len(t) for *_, t in seqs)
-        token_index = torch.tensor(
-            [[first + min(i, q - 1) for i in range(max_q)] for first, q, _, _ in seqs],
-            dtype=torch.long,
-            device=dev,
-        )
-        tables = torch.tensor(
-            [t + [self.scratch_block] * (max_blocks - len(t)) for *_, t in seqs],
-            dtype=torch.long,
-            device=dev,
-        )
-        q_lens = torch.tensor([q for _, q, _, _ in seqs], dtype=torch.long, device=dev)
-        ctx_lens = torch.tensor([c for _, _, c, _ in seqs], dtype=torch.long, device=dev)
-        return build_group(token_index, q_lens, ctx_lens, tables, self.block_size)

@@ -1,0 +1,173 @@
+"""The engine benchmark's report: markdown tables with ratios quill/peer, and a roofline plot.
+
+print_tables() pairs each peer with the quill variant of its precision class; plot() draws
+output tokens/s against batch size under the rooflines the machine's measured rates set.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _pair(quill_cols, peer, row_value, higher_is_better: bool) -> tuple:
+    """The quill column to hold against `peer`: same precision if any, else the best on the row."""
+    same = [c for c in quill_cols if c.precision == peer.precision]
+    candidates = [(c, row_value(c)) for c in (same[:1] or quill_cols)]
+    candidates = [(c, v) for c, v in candidates if v]
+    if not candidates:
+        return None, None
+    pick = max if higher_is_better else min
+    return pick(candidates, key=lambda cv: cv[1])
+
+
+def _seqs(n: int) -> str:
+    return f"{n} seq" if n == 1 else f"{n} seqs"
+
+
+def print_tables(results, columns, prompts, batches, long_batches, args) -> None:
+    m = results["machine"]
+    cols = results["columns"]
+    quill_cols = [c for c in columns if c.kind == "quill"]
+    peers = [c for c in columns if c.kind != "quill"]
+    print(
+        f"\n{m['cpu']} ({' '.join(m['cpu_flags'])}), {m['threads']} threads, torch {m['torch']}, "
+        f"{m['date']}, {results['minutes']:.1f} min"
+    )
+
+    def table(title, rows, value, fmt, higher_is_better):
+        names = [c.name for c in columns]
+        ratio_names = [f"quill / {p.name}" for p in peers]
+        print(f"\n{title}\n")
+        print("| measure | " + " | ".join(names + ratio_names) + " |")
+        print("|---" * (1 + len(names) + len(ratio_names)) + "|")
+        for label, section, key in rows:
+            cells = []
+            for c in columns:
+                v = value(cols[c.name].get(section, {}).get(key))
+                cells.append(fmt(v, cols[c.name].get(section, {}).get(key)) if v else "-")
+            for p in peers:
+                pv = value(cols[p.name].get(section, {}).get(key))
+                q, qv = _pair(
+                    quill_cols,
+                    p,
+                    lambda c, s=section, k=key: value(cols[c.name].get(s, {}).get(k)),
+                    higher_is_better,
+                )
+                if not pv or not qv:
+                    cells.append("-")
+                    continue
+                tag = f" ({q.name.removeprefix('quill-')})" if len(quill_cols) > 1 else ""
+                cells.append(f"{qv / pv:.2f}x{tag}")
+            print(f"| {label} | " + " | ".join(cells) + " |")
+        print(
+            "\nratio > 1: quill faster"
+            if higher_is_better
+            else "\nratio < 1: quill faster (time ratio)"
+        )
+
+    def rate(m_):
+        return m_ and (m_.get("tokens_per_s") or m_.get("decode_tokens_per_s"))
+
+    def rate_fmt(v, m_):
+        return f"{v:.0f} ({m_['step_ms']:.1f} ms)"
+
+    decode_rows = [
+        (f"{_seqs(b)}, {args.prompt_len}+{args.new_tokens} tokens", "decode", b) for b in batches
+    ]
+    if any("decode_only" in cols[c.name] for c in columns):
+        # llama-bench's tg: one sequence, no prompt, decode only; the others alike.
+        decode_rows.append(
+            (f"1 seq, decode only (llama-bench -n {args.new_tokens})", "decode_only", 1)
+        )
+    decode_rows += [
+        (f"{_seqs(b)} at {args.long_context} context, decode only", "long_decode", b)
+        for b in long_batches
+    ]
+    table(
+        "Output tokens/s (decode step ms); prompt prefill included in the short rows",
+        decode_rows,
+        rate,
+        rate_fmt,
+        True,
+    )
+    table(
+        "Time to first token, seconds",
+        [(f"prompt {n} tokens", "prefill", n) for n in prompts],
+        lambda m_: m_ and m_.get("seconds"),
+        lambda v, m_: f"{v:.3f}",
+        False,
+    )
+    stream = results["rates"]["weight_stream_Bps"]
+    print(
+        f"\nKV read rate of quill's long-context decode (weight streaming: {stream / 1e9:.1f} GB/s)"
+    )
+    print("\n| column | seqs | context | step ms | KV MB/step | KV GB/s | KV+weights GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for c in quill_cols:
+        for b in long_batches:
+            d = cols[c.name].get("long_decode", {}).get(b)
+            if d and "kv_read_Bps" in d:
+                print(
+                    f"| {c.name} | {b} | {d['context']:.0f} | {d['step_ms']:.1f} | "
+                    f"{d['kv_bytes_per_step'] / 1e6:.1f} | {d['kv_read_Bps'] / 1e9:.2f} | "
+                    f"{d['kv_plus_weights_Bps'] / 1e9:.2f} |"
+                )
+
+
+def plot(results, columns, batches, long_batches, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = results["columns"]
+    rates = results["rates"]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for c in columns:
+        d = cols[c.name].get("decode", {})
+        xs = [b for b in batches if b in d]
+        if xs:
+            line = ax.plot(xs, [d[b]["tokens_per_s"] for b in xs], marker="o", label=c.name)[0]
+            ld = cols[c.name].get("long_decode", {})
+            lx = [b for b in long_batches if b in ld]
+            if lx:
+                ax.plot(
+                    lx,
+                    [ld[b]["decode_tokens_per_s"] for b in lx],
+                    marker="x",
+                    linestyle=":",
+                    color=line.get_color(),
+                    label=f"{c.name}, ctx {args.long_context}, decode only",
+                )
+    grid = sorted({*batches, *long_batches}) or [1]
+    lo, hi = math.log2(min(grid)), math.log2(max(grid)) + 0.5
+    xs = [2 ** (lo + (hi - lo) * i / 200) for i in range(201)]
+    params = rates["matmul_params_per_token"]
+    compute = rates["gemm_fp32_flops"] / (2 * params)
+    # One roofline per precision class, with the smallest weight footprint of that class.
+    weights: dict[str, int] = {}
+    for c in columns:
+        if c.weight_bytes:
+            weights[c.precision] = min(weights.get(c.precision, c.weight_bytes), c.weight_bytes)
+    for i, (precision, wbytes) in enumerate(sorted(weights.items(), key=lambda kv: -kv[1])):
+        bound = [min(x * rates["weight_stream_Bps"] / wbytes, compute) for x in xs]
+        ax.plot(
+            xs,
+            bound,
+            color="black",
+            alpha=max(0.3, 1.0 - 0.25 * i),
+            linestyle=["-", "--", "-.", ":"][i % 4],
+            linewidth=1,
+            label=f"roofline {precision} ({wbytes / 1e6:.0f} MB, {wbytes / params:.2f} B/param)",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent sequences (batch)")
+    ax.set_ylabel("output tokens/s")
+    m = results["machine"]
+    ax.set_title(f"{m['cpu']}, {m['threads']} threads: decode vs roofline", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    plt.close(fig)

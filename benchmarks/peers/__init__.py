@@ -1,0 +1,1 @@
+"""Other inference engines that quill's benchmarks measure against (built separately)."""

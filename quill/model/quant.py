@@ -1,0 +1,160 @@
+"""Weight-only quantization by swapping the model's linear modules (the model code is untouched).
+
+A decode step at a small batch reads every weight once for a handful of rows, so its time is the
+weights' bytes: int8 reads a quarter of fp32's, int4 an eighth. PyTorch's CPU kernels for it
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) want bf16 activations (with fp32 ones the
+int8 kernel is 10-60x slower), so a quantized module casts in and out and the model keeps its
+own dtype. At large batches the step is arithmetic, and there the float weights win; a module can
+keep them and use them above `max_rows` rows ("a quantized copy for small batches").
+
+- int8: symmetric, one scale per output channel.
+- int4: asymmetric, one scale and zero per group of 32 input columns (as GGUF's Q4_1, so the default
+  model's own 4-bit weights come back nearly exactly).
+On GPUs the same modules dequantize the weight on the fly (correct, not yet fast).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
+INT4_GROUP = 32
+
+
+class QuantizedLinear(nn.Module):
+    """Replaces an `nn.Linear` (or `MergedLinear`, whose parts it returns the same way)."""
+
+    def __init__(self, linear: nn.Linear, method: str, max_rows: int | None = None) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        self.method = method
+        self.parts = getattr(linear, "parts", None)
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        # Rows above which the float weight is faster (None: always quantized, float dropped).
+        self.max_rows = max_rows
+        self.float_weight = linear.weight.detach() if max_rows is not None else None
+        if method == "int8":
+            scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
+            self.weight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            self.scales = scales.to(torch.bfloat16)
+        elif method == "int4":
+            if self.in_features % INT4_GROUP:
+                raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}")
+            groups = weight.view(self.out_features, -1, INT4_GROUP)
+            low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+            scale = ((high - low) / 15).clamp(min=1e-8)
+            codes = torch.round((groups - low) / scale).clamp(0, 15)
+            # The kernel computes (code - 8) * scale + zero.
+            zero = low + 8 * scale
+            self.codes = codes.view(self.out_features, -1).to(torch.uint8)
+            self.scales_and_zeros = (
+                torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1)
+                .to(torch.bfloat16)
+                .contiguous()
+            )
+            self.weight = (
+                torch._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32), 2)
+                if weight.device.type == "cpu"
+                else None
+            )
+        else:
+            raise ValueError(f"unknown quantization {method!r}")
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight the quantized one stands for (fp32)."""
+        if self.method == "int8":
+            return self.weight.float() * self.scales.float()[:, None]
+        groups = self.codes.view(self.out_features, -1, INT4_GROUP).float()
+        scale = self.scales_and_zeros[..., 0].t().float().unsqueeze(-1)
+        zero = self.scales_and_zeros[..., 1].t().float().unsqueeze(-1)
+        return ((groups - 8) * scale + zero).view(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            y = F.linear(x, self.float_weight)
+        elif x.device.type != "cpu":
+            y = F.linear(x, self.dequantized().to(x.dtype))
+        elif self.method == "int8":
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.weight, INT4_GROUP, self.scales_and_zeros
+            )
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.parts is None else list(y.split(self.parts, dim=-1))
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+
+
+def quantize_model(model: nn.Module, method: str, max_rows: int | None = None) -> None:
+    """Swap the decoder layers' linear modules for quantized ones, in place.
+
+    The output head stays in float: the int8 kernel returns bf16, and logits rounded to bf16
+    (steps of 0.06 at 10) turned clear greedy choices into ties on the reference prompts.
+    """
+    for layer in model.layers:
+        for parent, name, linear in _linears(layer):
+            setattr(parent, name, QuantizedLinear(linear, method, max_rows))
+
+
+def _best_time(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def choose_quantization(model: nn.Module, device: torch.device) -> tuple[str, int | None]:
+    """`auto`: measure one layer's projections in float and in int8 at 1 to 64 rows, here.
+
+    Returns ("int8", max_rows) with the largest row count up to which int8 was faster
+    (contiguous from one row), or ("none", None) when int8 is not faster even for one row.
+    """
+    if device.type != "cpu":
+        return "none", None
+    layer_linears = [lin for _, _, lin in _linears(model.layers[0])]
+    quantized = [QuantizedLinear(lin, "int8") for lin in layer_linears]
+    dtype = layer_linears[0].weight.dtype
+    max_rows = None
+    timings = []
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        inputs = [torch.randn(rows, lin.in_features, dtype=dtype) for lin in layer_linears]
+
+        def run_float(inputs=inputs):
+            for lin, x in zip(layer_linears, inputs):
+                lin(x)
+
+        def run_int8(inputs=inputs):
+            for lin, x in zip(quantized, inputs):
+                lin(x)
+
+        t_float, t_int8 = _best_time(run_float), _best_time(run_int8)
+        timings.append(f"{rows}: {1e3 * t_float:.2f}/{1e3 * t_int8:.2f} ms")
+        if t_int8 >= t_float:
+            break
+        max_rows = rows
+    log.info("quantization auto: one layer float/int8 by rows %s", ", ".join(timings))
+    if max_rows is None:
+        return "none", None
+    return "int8", max_rows
