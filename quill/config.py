@@ -28,7 +28,7 @@ class EngineConfig:
     compile: bool = False  # torch.compile with bucketed batch sizes (slow start, faster steps)
     # Weight-only quantization: none | int8 | int4 | auto (auto measures here at start-up and
     # keeps an int8 copy for the batch sizes where it is faster than the float weights).
-    quantization: str | None = "none"
+    quantization: str | None = "auto"
     seed: int = 0
     tokenizer: str | None = None
     record_steps: str | None = None  # JSONL file: every step's plan composition and wall time

@@ -18,7 +18,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile (slow start)")
     parser.add_argument(
         "--quantization",
-        default="none",
+        default="auto",
         choices=("none", "int8", "int4", "auto"),
         help="weight-only quantization; auto keeps int8 for the batch sizes where it measures "
         "faster on this machine",

@@ -61,7 +61,12 @@ def test_bad_requests_do_not_disturb_others(llm):
 
 
 def test_prompt_that_never_fits_the_pool(model_dir):
-    tiny = LLM(str(model_dir), dtype="float32", kv_cache_memory=4 * 16 * 30 * 2 * 3 * 64 * 4)
+    tiny = LLM(
+        str(model_dir),
+        dtype="float32",
+        quantization="none",
+        kv_cache_memory=4 * 16 * 30 * 2 * 3 * 64 * 4,
+    )
     assert tiny.engine.scheduler.kv.num_blocks == 4
     with pytest.raises(InvalidRequestError, match="never fit in the KV cache"):
         tiny.generate([7] * 100, SamplingParams(max_tokens=2))

@@ -18,6 +18,7 @@ def test_compiled_matches_eager(tmp_path, model_dir, monkeypatch):
     options = dict(
         load_format="dummy",
         dtype="float32",
+        quantization="none",
         kv_cache_memory=4 << 20,
         tokenizer=str(model_dir),
         max_num_batched_tokens=16,

@@ -114,6 +114,7 @@ def test_plan_is_all_the_model_needs(tiny_dir, model_dir, tmp_path):
             load_format="dummy",
             tokenizer=str(model_dir),
             dtype="float32",
+            quantization="none",
             max_num_batched_tokens=16,
             kv_cache_memory=1 << 20,
             record_steps=str(tmp_path / "steps.jsonl"),

@@ -96,3 +96,26 @@ def test_int4_next_token_logprobs_bounded(model_dir, float_outputs):
         gaps.append(abs(got_first[top] - want_first[top]))
     # ... with its log-probability close (measured: mean gap ~0.1 nats).
     assert sum(gaps) / len(gaps) < 0.3, gaps
+
+
+def test_auto_measures_and_keeps_float_for_large_steps(model_dir, caplog):
+    caplog.set_level("INFO", logger="quill")
+    llm = LLM(str(model_dir), dtype="float32", quantization="auto", kv_cache_memory=64 << 20)
+    modules = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+    assert len(chosen) == 1  # the start-up log says what was chosen
+    if modules:  # int8 measured faster for small steps: the float weights stay for large ones
+        assert all(m.max_rows is not None and m.float_weight is not None for m in modules)
+        assert "int8 for steps of up to" in chosen[0]
+    else:
+        assert "not quantized" in chosen[0]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = llm.generate(["The capital of France is"], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_unknown_quantization_is_refused():
+    from quill.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int3")

@@ -162,6 +162,7 @@ def test_simulator_schedules_like_the_real_engine(tmp_path, model_dir):
             tokenizer=str(model_dir),
             load_format="dummy",
             dtype="float32",
+            quantization="none",
             kv_cache_memory=int(kv_bytes),
             **limits,
         )

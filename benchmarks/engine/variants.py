@@ -35,8 +35,8 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 def parse_variant(text: str) -> dict:
-    """'bf16+int8' -> {'dtype': 'bfloat16', 'quantization': 'int8'}; quantization only if set."""
-    options: dict = {"dtype": "auto"}
+    """'bf16+int8' -> {'dtype': 'bfloat16', 'quantization': 'int8'}; no part: not quantized."""
+    options: dict = {"dtype": "auto", "quantization": "none"}
     for part in text.lower().replace("-", "+").split("+"):
         if part in DTYPES:
             options["dtype"] = DTYPES[part]
