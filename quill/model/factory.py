@@ -7,6 +7,7 @@ to decide (device, dtype, free memory, the model's KV bytes per block) is settle
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,8 @@ class ModelExecutor:
 
 def build_model_executor(config: EngineConfig) -> ModelExecutor:
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        _set_cpu_threads()
     dtype = resolve_dtype(config.dtype, device)
     if config.model is None:
         from quill.model.default_model import default_model_dir
@@ -74,6 +77,32 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
         budget,
         num_blocks,
     )
+
+
+def _set_cpu_threads() -> None:
+    """One compute thread per core this process may use, never more.
+
+    torch counts the host's physical cores; in a container or under `taskset` the process may
+    use fewer, and surplus OpenMP threads then wait on each other at every operator.
+    """
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        allowed = min(allowed or quota, quota)
+    if allowed and torch.get_num_threads() > allowed:
+        torch.set_num_threads(allowed)
+    log.info("compute threads: %d", torch.get_num_threads())
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """CPUs granted by a cgroup v2 quota (`cpu.max`), if one is set."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, int(int(quota) / int(period)))
 
 
 def _quantize(model, method: str, device: torch.device) -> None:
