@@ -1,23 +1,20 @@
 """The HTTP benchmark's clients: text prompts of a set token length, and closed-loop streaming.
 
-quill.bench.client sends an open-loop workload and reads only the OpenAI `logprobs.tokens` of
-each chunk; bench_http.py needs N clients that each send their next request when the last one
-ends, against quill and against llama-server, which sends its logprobs in another shape (and
-would slow down computing them). This keeps that client's record (RequestRecord), summary and
-prompt drawing, and counts the tokens of either server's chunks.
+quill.bench.client sends an open-loop workload; bench_http.py needs N clients that each send
+their next request when the last one ends, against quill and against llama-server. This draws
+text prompts of an exact token length and runs the closed loop on that client's streaming
+(`stream_completion`, which counts either server's tokens) and its records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import random
-import time
 
 import httpx
 
-from quill.bench.client import RequestRecord, random_prompt
+from quill.bench.client import RequestRecord, random_prompt, stream_completion
 from quill.model.default_model import default_model_dir
 
 
@@ -51,47 +48,6 @@ def text_prompts(count: int, length: int, seed: int) -> list[str]:
     return texts
 
 
-def _new_tokens(chunk: dict, counted: int) -> int:
-    """Tokens a chunk brings: llama-server's running count, or quill's one logprob per token
-    (the OpenAI completions format that quill.bench.client reads)."""
-    timings = chunk.get("timings")
-    if timings and "predicted_n" in timings:
-        return max(timings["predicted_n"] - counted, 0)
-    choices = chunk.get("choices") or []
-    return sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in choices)
-
-
-async def stream_one(client: httpx.AsyncClient, record: RequestRecord, body: dict) -> None:
-    """One streamed completion into `record`, every token timestamped as it arrives."""
-    record.sent = time.monotonic()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {text[:300]}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                now = time.monotonic()
-                if line == "data: [DONE]":
-                    record.finished = now
-                    break
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    record.error = f"stream error: {chunk['error']}"
-                    return
-                n = _new_tokens(chunk, record.output_tokens)
-                record.chunk_times.extend([now] * n)
-                record.output_tokens += n
-                if usage := chunk.get("usage"):
-                    record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-            if record.finished is None:
-                record.error = "stream ended without [DONE]"
-    except httpx.HTTPError as e:
-        record.error = f"{type(e).__name__}: {e}"
-
-
 async def closed_loop(
     url: str, prompts: list[str], clients: int, max_tokens: int, extra_body: dict
 ) -> list[RequestRecord]:
@@ -108,7 +64,7 @@ async def closed_loop(
                 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
                 body |= {"ignore_eos": True, "temperature": 0, "stream": True}
                 body |= {"stream_options": {"include_usage": True}, **extra_body}
-                await stream_one(client, record, body)
+                await stream_completion(client, record, body)
 
         numbered = list(enumerate(prompts))
         await asyncio.gather(*(one_client(numbered[k::clients]) for k in range(clients)))

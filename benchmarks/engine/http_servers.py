@@ -9,24 +9,23 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from benchmarks.peers import llama_cpp
+from benchmarks.peers.process import ServerProcess
 
 LOG_DIR = Path(tempfile.gettempdir()) / "quill-bench-http"
 
 
-class QuillServe:
+class QuillServe(ServerProcess):
     """`quill serve --port P` and nothing more: its defaults are what is measured."""
+
+    name = "quill serve"
 
     def __init__(self, port: int):
         exe = Path(sys.executable).with_name("quill")
@@ -34,40 +33,10 @@ class QuillServe:
         self.cmd = [*head, "serve", "--port", str(port)]
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = LOG_DIR / "quill-serve.log"
-        self.proc: subprocess.Popen | None = None
+        self.env = {k: v for k, v in os.environ.items() if k != "QUILL_API_KEY"}
 
     def start(self, timeout: float = 300) -> QuillServe:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")  # closed in stop()
-        env = {k: v for k, v in os.environ.items() if k != "QUILL_API_KEY"}
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                tail = "\n".join(self.log_path.read_text().splitlines()[-20:])
-                raise RuntimeError(f"quill serve exited during start-up:\n{tail}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"quill serve not healthy after {timeout} s (log: {self.log_path})")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        self.proc = None
+        return super().start(timeout)
 
 
 @dataclass

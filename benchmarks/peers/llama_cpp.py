@@ -13,10 +13,11 @@ import json
 import os
 import re
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from benchmarks.peers.process import ServerProcess
 
 BUILD_SCRIPT = "benchmarks/peers/build_llama_cpp.sh"
 BINARIES = ("llama-server", "llama-bench", "llama-batched-bench")
@@ -238,7 +239,7 @@ def batched_bench(
 # --- llama-server ------------------------------------------------------------------------------
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """A llama-server process on 127.0.0.1 (continuous batching, flash attention).
 
     Use as a context manager, or call start() and stop().
@@ -278,7 +279,8 @@ class LlamaServer:
             *extra,
         ]
         self.log_path = Path(log_path) if log_path else peers_dir() / f"llama-server-{port}.log"
-        self.proc: subprocess.Popen | None = None
+
+    name = "llama-server"
 
     def healthy(self) -> bool:
         try:
@@ -286,44 +288,6 @@ class LlamaServer:
                 return resp.status == 200 and json.loads(resp.read()).get("status") == "ok"
         except (urllib.error.URLError, OSError, ValueError):
             return False
-
-    def start(self, timeout: float = 120) -> LlamaServer:
-        if self.proc is not None:
-            return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "w")  # closed in stop()
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-        self._log = log
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                tail = "\n".join(self.log_path.read_text().splitlines()[-20:])
-                raise RuntimeError(f"llama-server exited during start-up:\n{tail}")
-            if self.healthy():
-                return self
-            time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"llama-server not healthy after {timeout} s (log: {self.log_path})")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        self.proc = None
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def start_server(model: Path | str, **kw) -> LlamaServer:

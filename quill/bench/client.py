@@ -72,6 +72,21 @@ async def _one(
     delay = start + record.scheduled - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
+    await stream_completion(client, record, body)
+
+
+def count_new_tokens(chunk: dict, counted: int) -> int:
+    """Tokens a streamed chunk brings: one logprob entry per token (quill, vLLM, OpenAI with
+    `logprobs`), or llama-server's running count (`timings.predicted_n`)."""
+    timings = chunk.get("timings")
+    if timings and "predicted_n" in timings:
+        return max(timings["predicted_n"] - counted, 0)
+    choices = chunk.get("choices") or []
+    return sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in choices)
+
+
+async def stream_completion(client: httpx.AsyncClient, record: RequestRecord, body: dict) -> None:
+    """One streamed completion into `record`, every token timestamped as its chunk arrives."""
     record.sent = time.monotonic()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -82,20 +97,19 @@ async def _one(
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
-                    record.finished = time.monotonic()
-                    break
                 now = time.monotonic()
-                chunk = json.loads(data)
+                if line == "data: [DONE]":
+                    record.finished = now
+                    break
+                chunk = json.loads(line[6:])
                 if "error" in chunk:
                     record.error = f"stream error: {chunk['error']}"
                     return
-                for choice in chunk.get("choices", []):
-                    tokens = (choice.get("logprobs") or {}).get("tokens") or []
-                    if tokens:
-                        record.chunk_times.extend([now] * len(tokens))
-                        record.output_tokens += len(tokens)
+                new_tokens = count_new_tokens(chunk, record.output_tokens)
+                record.chunk_times.extend([now] * new_tokens)
+                record.output_tokens += new_tokens
+                if usage := chunk.get("usage"):
+                    record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
                 if "metrics" in chunk:
                     record.server_metrics = chunk["metrics"]
             if record.finished is None:
