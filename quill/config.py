@@ -12,6 +12,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QUILL_CACHE", Path.home() / ".cache" / "quill"))
 
 
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
+
+
 @dataclass
 class EngineConfig:
     """Options of one engine instance; `LLM(**options)` and `quill serve` fill it."""
@@ -55,7 +58,7 @@ class EngineConfig:
             raise ValueError(f"price_per_hour must be positive, got {self.price_per_hour}")
         if self.quantization is None:
             self.quantization = "none"
-        if self.quantization not in ("none", "int8", "int4", "auto"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"unknown quantization {self.quantization!r} (none | int8 | int4 | auto)"
             )

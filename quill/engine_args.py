@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from quill.config import QUANTIZATIONS
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -19,7 +21,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="auto",
-        choices=("none", "int8", "int4", "auto"),
+        choices=QUANTIZATIONS,
         help="weight-only quantization; auto keeps int8 for the batch sizes where it measures "
         "faster on this machine",
     )

@@ -24,7 +24,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8", "int4", "auto")
 INT4_GROUP = 32
 
 
