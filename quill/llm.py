@@ -75,7 +75,7 @@ class LLM:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass, field
 
 from quill.errors import InvalidRequestError
+
+# Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-5 already gives
+# the top token all the mass unless the runner-up is within ~1e-3, and smaller values would
+# only overflow float32 or amplify rounding noise. `SamplingParams.greedy` is the one test.
+GREEDY_TEMPERATURE = 1e-5
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# The smallest positive value a strictly positive field takes. A subnormal double is zero or
+# not depending on the process's float mode (torch flushes them to zero on CPU, and Python's
+# own comparisons then see 0), so it is refused rather than accepted by chance.
+_MIN_POSITIVE = sys.float_info.min
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop, shaped like vLLM's SamplingParams.
 
-    temperature 0 means greedy. `max_tokens=None` lets the reply run to the model's context.
+    A temperature below `GREEDY_TEMPERATURE` (0 included) means greedy. `top_k` may exceed the
+    vocabulary (no limit then). `max_tokens=None` lets the reply run to the model's context.
     """
 
     max_tokens: int | None = 16
@@ -28,6 +50,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the chosen one)
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # keep a matched stop string at the text's end
+    skip_special_tokens: bool = True  # leave special tokens out of the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,20 +66,32 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)
 
+        # NaN passes checks written as `x < lo` (its comparisons are all false); inf is no
+        # usable value for any of these.
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise bad(name, f"{name} must be a finite number, got {value}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise bad("temperature", f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if not _MIN_POSITIVE <= self.top_p <= 1:
+            raise bad("top_p", f"top_p must be in (0, 1] and not subnormal, got {self.top_p}")
         if self.top_k < 0:
             raise bad("top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+        # The sampler puts these in an int64 tensor (min_tokens suppresses them).
+        for token_id in self.stop_token_ids:
+            if not _INT64_MIN <= token_id <= _INT64_MAX:
+                raise bad("stop_token_ids", f"stop token id {token_id} is out of range")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
+        # Any positive finite value works: the sampler bounds it and clamps what it produces.
+        if not self.repetition_penalty >= _MIN_POSITIVE:
             raise bad(
                 "repetition_penalty",
-                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                "repetition_penalty must be positive and not subnormal, "
+                f"got {self.repetition_penalty}",
             )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -68,7 +104,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

@@ -159,7 +159,11 @@ class EngineCore:
                     out.finished.append(request)
 
     def step(self) -> CoreOutput:
-        """One pass of the model over whatever the scheduler picks."""
+        """One pass of the model over whatever the scheduler picks.
+
+        If the pass raises, only the requests that also fail on their own are failed (finish
+        reason "error"); the others advance as if nothing had happened.
+        """
         out = CoreOutput()
         self._drain_pending(out)
         start = self.clock.now()
@@ -170,39 +174,102 @@ class EngineCore:
         if sched.is_empty:
             return out
         plan = self.make_plan(sched)
-        try:
-            result: StepResult = self.executor.execute(plan)
-        except Exception as e:  # one bad step must not take the engine down
-            log.exception("step failed; failing its %d requests", len(sched.scheduled))
-            for s in sched.scheduled:
-                request = self.finish_request(
-                    s.request.request_id, "error", error=f"{type(e).__name__}: {e}"
-                )
-                if request is not None:
-                    out.finished.append(request)
-            return out
+        result, ran, errors = self._execute(plan)
         end = self.clock.now()
+        for request_id, error in errors.items():
+            request = self.finish_request(request_id, "error", error=error)
+            if request is not None:
+                out.finished.append(request)
+        if ran is None:
+            return out
+        # Failed requests are finished by now, so `update` passes over them.
         advanced, finished = self.scheduler.update(sched, result.sampled, end)
+        if sched.finished:  # `update` hands these back again; they were reported above
+            ended_earlier = {id(r) for r in sched.finished}
+            finished = [r for r in finished if id(r) not in ended_earlier]
         for request in finished:
             self._ended(request)
         out.advanced += advanced
         out.finished += finished
         out.logprobs = result.logprobs
-        num_decode = plan.num_decode_tokens
+        num_decode = ran.num_decode_tokens
         self.last_step = StepStats(
-            num_prefill_tokens=plan.num_tokens - num_decode,
+            num_prefill_tokens=ran.num_tokens - num_decode,
             num_decode_tokens=num_decode,
-            num_scheduled_requests=len(plan.seqs),
+            num_scheduled_requests=len(ran.seqs),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv.usage,
             num_preemptions=len(sched.preempted),
             duration=end - start,
-            plan=plan,
+            plan=ran,
         )
         for listener in self.step_listeners:
-            listener.on_step(plan, start, end)
+            listener.on_step(ran, start, end)
         return out
+
+    def _execute(self, plan: StepPlan) -> tuple[StepResult, StepPlan | None, dict[str, str]]:
+        """Runs the plan; if it raises, runs its sequences one at a time to find the culprits.
+
+        Returns the merged result, the plan of the sequences that ran (None if none did), and
+        an error message for each request that failed on its own. Redoing a sequence is safe:
+        the KV cache writes are idempotent, as the failed pass wrote keys and values only for
+        the same tokens, at the same positions, into the same slots that the retry writes
+        again (and a failed request's blocks are freed); the sampler puts a seeded request's
+        generator back when it raises, so the retry draws what the first pass would have.
+        """
+        try:
+            return self.executor.execute(plan), plan, {}
+        except Exception as e:  # one bad request must not take the step, or the engine, down
+            batch_error = e
+        if len(plan.seqs) == 1:
+            failures = [(plan.seqs[0], batch_error)]
+            ran_seqs = []
+            merged = StepResult({}, {})
+        else:
+            failures, ran_seqs, merged = self._retry_one_by_one(plan)
+        errors = {s.request_id: f"{type(e).__name__}: {e}" for s, e in failures}
+        if failures:
+            log.error(
+                "step %d failed; failing request(s) %s (%d other sequence(s) ran on their own)",
+                plan.step_id,
+                ", ".join(errors),
+                len(ran_seqs),
+                exc_info=failures[0][1],
+            )
+        else:
+            log.warning(
+                "step %d failed, yet each of its sequences ran on its own; no request failed",
+                plan.step_id,
+                exc_info=batch_error,
+            )
+        if not ran_seqs:
+            # No pass got through, so the executor may not have heard of these: tell it again
+            # next step (dropping a request's state twice is harmless).
+            self._ended_ids[:0] = plan.finished_request_ids
+            return merged, None, errors
+        return merged, StepPlan(plan.step_id, ran_seqs, plan.finished_request_ids), errors
+
+    def _retry_one_by_one(
+        self, plan: StepPlan
+    ) -> tuple[list[tuple[SeqPlan, Exception]], list[SeqPlan], StepResult]:
+        failures: list[tuple[SeqPlan, Exception]] = []
+        ran: list[SeqPlan] = []
+        merged = StepResult({}, {})
+        # The failed pass may have stopped before the executor dropped the state of ended
+        # requests: retries carry their ids until one gets through.
+        ended = plan.finished_request_ids
+        for seq in plan.seqs:
+            try:
+                result = self.executor.execute(StepPlan(plan.step_id, [seq], ended))
+            except Exception as e:
+                failures.append((seq, e))
+                continue
+            ended = []
+            ran.append(seq)
+            merged.sampled.update(result.sampled)
+            merged.logprobs.update(result.logprobs)
+        return failures, ran, merged
 
     def make_plan(self, sched: SchedulerOutput) -> StepPlan:
         """The scheduler's decision as plain data (block tables copied: they grow later)."""

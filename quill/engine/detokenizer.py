@@ -18,9 +18,18 @@ _CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Text of one request's output, grown one token at a time."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.holdback = max((len(s) for s in stop), default=1) - 1
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
         self.tokens: list[int] = list(context)
@@ -30,10 +39,12 @@ class IncrementalDetokenizer:
         self.num_emitted_chars = 0
 
     def add_token(self, token_id: int) -> str | None:
-        """Append a token; returns the stop string if the text now contains one (text cut)."""
+        """Append a token; returns the stop string if the text now contains one (text cut after
+        it, or before it unless include_stop)."""
         self.tokens.append(token_id)
-        prefix = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.tokens[self.prefix_offset :])
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset], skip)
+        full = self.tokenizer.decode(self.tokens[self.prefix_offset :], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # an incomplete character: wait for the next token
         new_text = full[len(prefix) :]
@@ -45,7 +56,7 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         idx, stop = min(hits)
-        self.text = self.text[:idx]
+        self.text = self.text[: idx + len(stop) if self.include_stop else idx]
         return stop
 
     def take_delta(self, finished: bool) -> str:

@@ -60,6 +60,7 @@ class LLMEngine:
         self.core = EngineCore(scheduler, self.runner, clock, listeners)
         self.clock = self.core.clock
         self._tracked: dict[str, _Tracked] = {}
+        self._end_ids = frozenset(self.tokenizer.eos_token_ids)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -98,7 +99,7 @@ class LLMEngine:
             sampling_params=params,
             arrival_time=self.clock.now() if arrival_time is None else arrival_time,
             max_tokens=self.core.resolve_max_tokens(len(token_ids), params),
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_ids=self._end_ids,
             prompt=text,
         )
         self.core.add_request(request)
@@ -127,6 +128,8 @@ class LLMEngine:
                 entry = dict(top)
                 entry[token] = chosen
                 tracked.logprobs.append(entry)
+            if request.is_finished and not _text_includes_last_token(request):
+                continue
             stop = tracked.detokenizer.add_token(token)
             if stop is not None and not request.is_finished:
                 self.core.finish_request(request.request_id, "stop", stop)
@@ -146,7 +149,13 @@ class LLMEngine:
             params = request.sampling_params
             tracked = _Tracked(
                 request,
-                IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop),
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                ),
                 [] if params.logprobs is not None else None,
             )
             self._tracked[request.request_id] = tracked
@@ -188,6 +197,13 @@ class LLMEngine:
             metrics=RequestMetrics.of(request, self.accountant.peek(request.request_id)),
             error=error,
         )
+
+
+def _text_includes_last_token(request: Request) -> bool:
+    """A reply ended by an end-of-sequence or stop token id keeps that token out of its text
+    (it stays in token_ids), unless include_stop_str_in_output; as in vLLM."""
+    ended_by_token = request.finish_reason == "stop" and not isinstance(request.stop_reason, str)
+    return not ended_by_token or request.sampling_params.include_stop_str_in_output
 
 
 def _make_accountant(config: EngineConfig, built):

@@ -56,7 +56,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float
     max_tokens: int  # resolved: never None, fits the model's context
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # every id that ends the reply (unless ignored)
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

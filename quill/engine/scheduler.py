@@ -202,7 +202,7 @@ class Scheduler:
         params = request.sampling_params
         num_output = len(request.output_token_ids)
         if num_output >= params.min_tokens:
-            if not params.ignore_eos and token == request.eos_token_id:
+            if not params.ignore_eos and token in request.eos_token_ids:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token

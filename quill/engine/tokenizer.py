@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from quill.errors import ModelLoadError
+
+# Special tokens that end a text, a turn or a message in the chat formats in use.
+END_OF_TEXT_NAMES = frozenset(
+    {
+        "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
+        "<|end|>", "<end_of_turn>", "<|return|>", "<|call|>", "</s>", "<EOT>",
+    }
+)  # fmt: skip
 
 
 class Tokenizer:
@@ -13,11 +22,23 @@ class Tokenizer:
     def __init__(self, hf_tokenizer, eos_token_ids: list[int] | None = None) -> None:
         self.hf = hf_tokenizer
         self.backend = hf_tokenizer.backend_tokenizer
-        eos = list(eos_token_ids or [])
-        if hf_tokenizer.eos_token_id is not None and hf_tokenizer.eos_token_id not in eos:
-            eos.append(hf_tokenizer.eos_token_id)
-        self.eos_token_ids = eos
         self.vocab_size = len(hf_tokenizer)
+        self.eos_token_ids = self._end_ids(list(eos_token_ids or []))
+
+    def _end_ids(self, declared: list[int]) -> list[int]:
+        """Every id that ends generation: what the model declares (config, generation_config,
+        GGUF), the tokenizer's eos, and special tokens named as an end of text.
+
+        The names catch what a model uses but does not declare: SmolLM2 declares only
+        <|im_end|>, yet ends a document with <|endoftext|> (llama.cpp marks such tokens too).
+        """
+        ids = list(declared)
+        if self.hf.eos_token_id is not None:
+            ids.append(self.hf.eos_token_id)
+        for token_id, token in self.hf.added_tokens_decoder.items():
+            if token.special and token.content in END_OF_TEXT_NAMES:
+                ids.append(token_id)
+        return list(dict.fromkeys(ids))
 
     @classmethod
     def load(cls, source: Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
@@ -31,6 +52,11 @@ class Tokenizer:
         except Exception as e:
             raise ModelLoadError(f"could not load a tokenizer from {str(source)!r}: {e}") from e
         return cls(hf, eos_token_ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (bounds tokens from below)."""
+        return max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
 
     @property
     def eos_token_id(self) -> int | None:
@@ -53,3 +79,10 @@ class Tokenizer:
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation's prompt ids. The template writes its own special tokens (BOS and
+        the like), so the tokenizer adds none: the one definition for the server and LLM.chat.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)

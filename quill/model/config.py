@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from quill.errors import ModelLoadError
 
@@ -45,8 +47,7 @@ class ModelConfig:
                 f"{sorted(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = d["num_attention_heads"]
-        eos = d.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos_ids = as_id_list(d.get("eos_token_id"))
         rope_scaling = d.get("rope_scaling") or None
         rope_theta = d.get("rope_theta")
         if rope_theta is None and isinstance(d.get("rope_parameters"), dict):
@@ -76,3 +77,18 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token per element byte (multiply by the dtype's size)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def as_id_list(value) -> list[int]:
+    """A config's token id field (absent, one id, or a list) as a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def generation_config_eos_ids(source: Path) -> list[int]:
+    """End ids in a model directory's generation_config.json (often a list; [] when absent)."""
+    path = source / "generation_config.json" if source.is_dir() else None
+    if path is None or not path.is_file():
+        return []
+    return as_id_list(json.loads(path.read_text()).get("eos_token_id"))

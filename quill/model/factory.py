@@ -16,7 +16,7 @@ import torch
 from quill.config import EngineConfig
 from quill.engine.tokenizer import Tokenizer
 from quill.errors import InvalidRequestError
-from quill.model.config import ModelConfig
+from quill.model.config import ModelConfig, generation_config_eos_ids
 from quill.model.loader import load_model, resolve_device, resolve_dtype
 from quill.model.runner import ModelRunner
 
@@ -53,11 +53,14 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
     loaded = load_model(model_path, config.load_format, dtype, device)
     _quantize(loaded.model, config.quantization, device)
     tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source
-    tokenizer = Tokenizer.load(tok_source, loaded.config.eos_token_ids)
+    declared_ends = loaded.config.eos_token_ids + generation_config_eos_ids(loaded.source)
+    tokenizer = Tokenizer.load(tok_source, declared_ends)
     ctx = loaded.config.max_position_embeddings
     max_model_len = min(config.max_model_len or ctx, ctx)
     budget = config.max_num_batched_tokens or (512 if device.type == "cpu" else 8192)
-    runner = ModelRunner(loaded.model, device, dtype, config.block_size, config.seed)
+    runner = ModelRunner(
+        loaded.model, device, dtype, config.block_size, config.seed, tokenizer.eos_token_ids
+    )
     num_blocks = _num_kv_blocks(config, runner, device, max_model_len)
     runner.allocate_kv_cache(num_blocks)
     if config.compile:

@@ -64,7 +64,8 @@ def gguf_hf_config(reader) -> dict:
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        # End of sequence, of turn and of message: generation stops at any of them.
+        "eos_token_id": _end_ids(reader),
         "torch_dtype": "bfloat16",
     }
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1 style: per-frequency divisors
@@ -74,6 +75,12 @@ def gguf_hf_config(reader) -> dict:
             "factors": [float(x) for x in _dequantize(t)],
         }
     return config
+
+
+def _end_ids(reader) -> list[int]:
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = [_field(reader, f"tokenizer.ggml.{k}") for k in keys]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def _dequantize(tensor) -> np.ndarray:

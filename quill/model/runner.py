@@ -9,6 +9,7 @@ logits, and samples them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +31,7 @@ class ModelRunner:
         dtype: torch.dtype,
         block_size: int,
         seed: int = 0,
+        end_token_ids: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.config = model.config
@@ -39,7 +41,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.sampler = Sampler(device, seed)
+        # The end ids let the sampler hold them back until a request's min_tokens.
+        self.sampler = Sampler(device, seed, end_token_ids)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.scratch_block = 0
         self.layout: AttentionLayout | None = None  # set with the cache

@@ -1,18 +1,30 @@
 """Sampling over the batch of rows that produce a token this step, as tensor operations.
 
-Penalties, temperature, top-k, top-p and min-p are applied to the whole [rows, vocab] block at
-once. Drawing uses the exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling
-from p; each seeded request draws its noise from its own generator, so its output does not depend
-on what else shares the batch.
+Penalties, min_tokens, temperature, top-k, top-p and min-p are applied to the whole
+[rows, vocab] block at once. Drawing uses the exponential race (argmax of p / E with
+E ~ Exp(1)), which equals sampling from p; each seeded request draws its noise from its own
+generator, so its output does not depend on what else shares the batch.
+
+Every parameter a request may legally hold gives a usable distribution: extreme values act as
+the limit they approach (a tiny temperature is greedy, a tiny top_p keeps the top token) and
+whatever overflows float32 is clamped, so no row ends up NaN or with no token left to pick.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from quill.engine.plan import SeqPlan
+from quill.sampling_params import SamplingParams
+
+_F32_MAX = torch.finfo(torch.float32).max
+_F32_TINY = torch.finfo(torch.float32).tiny
+# A repetition penalty is bounded to these so that it and its reciprocal stay normal float32
+# numbers (denormals flush to zero on CPU, and a zero divisor would make inf and NaN).
+_REP_MIN, _REP_MAX = 1e-37, 1e37
 
 
 @dataclass
@@ -25,13 +37,56 @@ class SampleResult:
 class Sampler:
     """Holds the random state: one generator for unseeded rows, one per seeded request."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, seed: int = 0, end_token_ids: Sequence[int] = ()
+    ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        # The model's end-of-sequence ids, kept from being sampled before min_tokens.
+        self.end_token_ids = list(end_token_ids)
 
     def free(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[SeqPlan]) -> SampleResult:
+        params = [r.sampling_params for r in requests]
+        raw_logits = logits.float()
+        logits = prepare_logits(raw_logits, requests, self.end_token_ids)
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._draw(processed_probs(logits, params), requests)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, compute_logprobs(raw_logits, tokens, params))
+
+    def probs(self, logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
+        """The distribution each row is drawn from, exactly as `__call__` computes it."""
+        prepared = prepare_logits(logits.float(), requests, self.end_token_ids)
+        return processed_probs(prepared, [r.sampling_params for r in requests])
+
+    def _draw(self, probs: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
+        seeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
+        # A failed step is retried one request at a time: a seeded request must then draw the
+        # same noise again, so its generator goes back to where it was if anything here raises.
+        gens = self.request_generators
+        ids = [requests[i].request_id for i in seeded]
+        saved = {rid: gens[rid].get_state() for rid in ids if rid in gens}
+        try:
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for i in seeded:
+                noise[i].exponential_(generator=self._generator_for(requests[i]))
+            # Exp(1) can come out as exactly 0; p / 0 would be inf for every kept token and NaN
+            # for the dropped ones, which argmax then prefers.
+            noise.clamp_(min=_F32_TINY)
+            return (probs / noise).argmax(dim=-1)
+        except BaseException:
+            for rid in ids:
+                if rid in saved:
+                    gens[rid].set_state(saved[rid])
+                else:
+                    gens.pop(rid, None)
+            raise
 
     def _generator_for(self, request: SeqPlan) -> torch.Generator:
         gen = self.request_generators.get(request.request_id)
@@ -40,51 +95,112 @@ class Sampler:
             self.request_generators[request.request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, requests: list[SeqPlan]) -> SampleResult:
-        logits = logits.float()
-        params = [r.sampling_params for r in requests]
-        raw_logits = logits
-        if any(p.uses_penalties for p in params):
-            logits = apply_penalties(logits, requests)
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, requests)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, compute_logprobs(raw_logits, tokens, params))
 
-    def _sample(self, logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        device = logits.device
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-        logits = logits / temperature[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = _top_k_top_p(logits, params)
-        probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
-            keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(keep, probs, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, request in enumerate(requests):
-            if request.sampling_params.seed is not None:
-                noise[i].exponential_(generator=self._generator_for(request))
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+def prepare_logits(
+    logits: torch.Tensor, requests: list[SeqPlan], end_token_ids: Sequence[int] = ()
+) -> torch.Tensor:
+    """float32 logits after penalties and min_tokens: finite, or -inf where a token is barred.
+
+    A greedy row picks the argmax of these; the others go on to `processed_probs`.
+    """
+    # NaN would win every argmax; +inf would turn softmax into NaN.
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_F32_MAX)
+    if any(r.sampling_params.uses_penalties for r in requests):
+        logits = apply_penalties(logits, requests)
+    return suppress_ends(logits, requests, end_token_ids)
 
 
-def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+def suppress_ends(
+    logits: torch.Tensor, requests: list[SeqPlan], end_token_ids: Sequence[int] = ()
+) -> torch.Tensor:
+    """Bars end ids (unless ignore_eos) and stop ids from rows short of their min_tokens.
+
+    Writes into `logits`. A sampling row has produced `start + len(token_ids) -
+    num_prompt_tokens` tokens: the step reaches its last token, and a preempted request
+    recomputes prompt and output alike, so this holds then too.
+    """
+    vocab = logits.shape[-1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if not p.min_tokens or r.start + len(r.token_ids) - r.num_prompt_tokens >= p.min_tokens:
+            continue
+        barred = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            barred.update(end_token_ids)
+        # An id outside the vocabulary can never be sampled, so it needs no bar.
+        barred = [t for t in barred if 0 <= t < vocab]
+        rows += [i] * len(barred)
+        cols += barred
+    if rows:
+        index = torch.tensor([rows, cols], device=logits.device)
+        logits[index[0], index[1]] = float("-inf")
+    return logits
+
+
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution from `prepare_logits` output: temperature, top-k, top-p
+    and min-p applied, normalised; a greedy row is one-hot on its argmax.
+
+    Never NaN and never all zero: the top token is always kept, and a row left with nothing
+    (every token barred) falls back to one-hot on its argmax.
+    """
+    device = logits.device
+    top = logits.argmax(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(logits).scatter_(-1, top, 1.0)
+    greedy = torch.tensor([p.greedy for p in params], device=device)[:, None]
+    # Greedy rows divide by 1 (their result is replaced). A temperature beyond float32's range
+    # acts as its largest value: all but astronomically spread logits are uniform by then.
+    half_temperature = torch.tensor(
+        [0.5 if p.greedy else 0.5 * min(p.temperature, _F32_MAX) for p in params], device=device
+    )
+    # (x - max) / T, computed as (x/2 - max/2) / (T/2): the same numbers, but a spread of up to
+    # twice float32's range cannot overflow. Shifting by the max first means the division can
+    # only overflow towards -inf (a weight of 0, as it should be), and leaves the top token at
+    # 0: weight 1 at any temperature.
+    half = logits * 0.5
+    z = (half - half.max(dim=-1, keepdim=True).values) / half_temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        # Ranked by the logits: a huge temperature squeezes z into float32 ties.
+        z = _top_k_top_p(z, params, rank_by=logits)
+    probs = z.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        # min_p <= 1, so the top token always passes.
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(keep, probs, 0.0)
+    total = probs.sum(dim=-1, keepdim=True)
+    usable = total > 0  # false for NaN too
+    probs = torch.where(usable & ~greedy, probs / total.clamp(min=_F32_TINY), one_hot)
+    return probs
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, params: Sequence[SamplingParams], rank_by: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`logits` with -inf for what top-k and top-p drop; tokens ranked by `rank_by`, which
+    must order them as `logits` does (ties aside), or by `logits` themselves."""
     device = logits.device
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    # Clamped here, in Python: top_k may be any size (2**64 overflows an int64 tensor).
+    top_k = torch.tensor(
+        [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device
+    )
+    # top_p >= 1 keeps everything; cumulative sums that round past 1 must not say otherwise.
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
+    if rank_by is None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    else:
+        order = rank_by.argsort(dim=-1, descending=True)
+        sorted_logits = logits.gather(-1, order)
     rank = torch.arange(vocab, device=device)[None, :]
     drop = rank >= top_k[:, None]
     probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens before it already reach top_p; the first is always kept.
+    # Drop a token when the tokens before it already reach top_p.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    # The top token is always kept, whatever a tiny top_p rounds to in float32 (1e-300 is 0).
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
@@ -92,7 +208,9 @@ def _top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
 def apply_penalties(logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
     """Repetition (over prompt and output, as in transformers), presence and frequency (output).
 
-    Rows without penalties carry no token history (None), which counts as none.
+    Rows without penalties carry no token history (None), which counts as none. The result is
+    finite wherever `logits` is (-inf stays -inf): a penalty that would overflow float32 is
+    clamped to its largest value.
     """
     device = logits.device
     rows, vocab = logits.shape
@@ -105,16 +223,25 @@ def apply_penalties(logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tens
         ids = torch.tensor(padded, device=device)
         out_counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=out_counts.dtype))
     out_counts = out_counts[:, :vocab]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    if (rep != 1.0).any():
+    reps = [min(max(p.repetition_penalty, _REP_MIN), _REP_MAX) for p in params]
+    if any(rep != 1.0 for rep in reps):
+        rep = torch.tensor(reps, device=device)[:, None]
         seen = out_counts > 0
+        prompt_rows: list[int] = []
+        prompt_ids: list[int] = []
         for i, r in enumerate(requests):
-            if params[i].repetition_penalty != 1.0:
-                seen[i, torch.tensor(r.prompt_token_ids, device=device)] = True
-        penalized = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalized, logits)
+            if reps[i] != 1.0:
+                prompt_rows += [i] * len(r.prompt_token_ids)
+                prompt_ids += r.prompt_token_ids
+        if prompt_rows:
+            index = torch.tensor([prompt_rows, prompt_ids], device=device)
+            seen[index[0], index[1]] = True
+        penalized = torch.where(logits > 0, logits / rep, logits * rep).clamp(-_F32_MAX, _F32_MAX)
+        # Barred tokens (-inf) stay barred.
+        logits = torch.where(seen & (logits > float("-inf")), penalized, logits)
     presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    # Both are in [-2, 2] and counts are at most the context: far too little to overflow.
     return logits - frequency * out_counts - presence * (out_counts > 0).float()
 
 

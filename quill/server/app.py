@@ -1,55 +1,47 @@
-"""The FastAPI application: routes, API-key check, and the engine's start and stop."""
+"""The FastAPI application: routes, the door every request passes (guard), and the engine's
+start and stop."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
+import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 import quill
-from quill.server.chat import create_chat_completion, render_chat
+from quill.server.chat import create_chat_completion, encode_chat
 from quill.server.completions import create_completion
 from quill.server.context import ServerContext
 from quill.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from quill.server.guard import ARRIVAL, RequestGuard
+from quill.server.openapi import install_openapi
 from quill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    ignored_fields,
 )
 
-_ARRIVAL = "quill.arrival_time"
+log = logging.getLogger(__name__)
 
 
-class _StampArrival:
-    """Outermost ASGI layer: notes when a request arrived, before any parsing or routing."""
+class _IgnoredFieldLog:
+    """Warns once per field name that requests carry and quill ignores; later ones at debug."""
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            scope[_ARRIVAL] = time.monotonic()
-        await self.app(scope, receive, send)
-
-
-def _digest(text: str) -> bytes:
-    return hashlib.sha256(text.encode()).digest()
-
-
-async def _parse(request: Request, schema: type[BaseModel]):
-    body = await request.body()
-    try:
-        return schema.model_validate_json(body)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    def __call__(self, path: str, names: list[str]) -> None:
+        new = [n for n in names if n not in self.seen]
+        self.seen.update(new)
+        level = logging.WARNING if new else logging.DEBUG
+        log.log(level, "%s: ignored request fields quill does not know: %s", path, ", ".join(names))
 
 
 def _respond(result) -> Response:
@@ -67,40 +59,51 @@ def build_app(ctx: ServerContext) -> FastAPI:
         finally:
             await ctx.engine.stop()
 
-    app = FastAPI(title="quill", version=quill.__version__, lifespan=lifespan)
+    docs = ctx.enable_api_docs
+    app = FastAPI(
+        title="quill",
+        version=quill.__version__,
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.add_middleware(_StampArrival)
-    expected_key = _digest(f"Bearer {ctx.api_key}") if ctx.api_key else None
+    app.add_middleware(
+        RequestGuard,
+        api_key=ctx.api_key,
+        max_request_bytes=ctx.max_request_bytes,
+        body_timeout=ctx.request_body_timeout,
+        metrics_require_key=ctx.metrics_require_key,
+    )
+    note_ignored = _IgnoredFieldLog()
 
-    async def check_api_key(request: Request) -> None:
-        if expected_key is None:
-            return
-        # Digests compare in constant time and do not leak the key's length either.
-        given = _digest(request.headers.get("authorization", ""))
-        if not hmac.compare_digest(given, expected_key):
-            raise APIError(
-                401,
-                "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+    async def parse(request: Request, schema: type[BaseModel]):
+        try:
+            req = schema.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+        names = ignored_fields(req)
+        if names:
+            note_ignored(request.url.path, names)
+        return req
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    v1 = APIRouter(prefix="/v1")
 
     def arrival(request: Request) -> float:
-        return request.scope.get(_ARRIVAL) or time.monotonic()
+        return request.scope.get(ARRIVAL) or time.monotonic()
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         t = arrival(request)
-        req = await _parse(request, CompletionRequest)
+        req = await parse(request, CompletionRequest)
         return _respond(await create_completion(ctx, req, request, t))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         t = arrival(request)
-        req = await _parse(request, ChatCompletionRequest)
+        req = await parse(request, ChatCompletionRequest)
         return _respond(await create_chat_completion(ctx, req, request, t))
 
     def model_card(name: str) -> dict:
@@ -140,14 +143,16 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = await _parse(request, TokenizeRequest)
+        req = await parse(request, TokenizeRequest)
         ctx.check_model(req.model)
         tok = ctx.tokenizer
+        if req.prompt is not None:
+            ctx.check_prompt_length(req.prompt)
 
         def work() -> dict:
             if req.messages is not None:
                 messages = [m.as_template_dict() for m in req.messages]
-                ids = tok.encode(render_chat(tok, messages, req.add_generation_prompt is not False))
+                ids = encode_chat(tok, messages, req.add_generation_prompt is not False)
             else:
                 ids = tok.encode(req.prompt or "", req.add_special_tokens is not False)
             out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
@@ -159,7 +164,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = await _parse(request, DetokenizeRequest)
+        req = await parse(request, DetokenizeRequest)
         ctx.check_model(req.model)
         tok = ctx.tokenizer
         bad = [t for t in req.tokens if not 0 <= t < tok.vocab_size]
@@ -169,4 +174,13 @@ def build_app(ctx: ServerContext) -> FastAPI:
             )
         return {"prompt": await asyncio.to_thread(tok.decode, req.tokens)}
 
+    install_openapi(
+        app,
+        {
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
+    )
     return app

@@ -25,10 +25,10 @@ from quill.server.generation import (
 from quill.server.protocol import ChatCompletionRequest
 
 
-def render_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    """The chat template applied; a template that refuses the conversation is a 400."""
+def encode_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The conversation's prompt ids; a template that refuses the conversation is a 400."""
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tok.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     except ModelLoadError as e:
         raise InvalidRequestError(str(e), param="messages") from e
     except Exception as e:  # jinja raises for conversations its template does not allow
@@ -43,8 +43,12 @@ async def create_chat_completion(
     messages = req.template_messages()
     add_gen = req.add_generation_prompt is not False
 
+    ctx.check_capacity(req.num_choices)
+    if req.truncate_prompt_tokens is None:
+        ctx.check_prompt_length("".join(m["content"] for m in messages), "messages")
+
     def encode() -> list[int]:
-        return tok.encode(render_chat(tok, messages, add_gen))
+        return req.truncate(encode_chat(tok, messages, add_gen), ctx.max_model_len)
 
     prompt = await asyncio.to_thread(encode)
     # No default cap for chat: the reply may run to the end of the context, as with OpenAI.
@@ -53,7 +57,7 @@ async def create_chat_completion(
     gen.submit([prompt], params)
     fmt = _Formatter(gen, model, tok, req.top_logprobs or 0)
     if req.stream:
-        chunks = fmt.stream(req.include_usage)
+        chunks = fmt.stream(req.include_usage, req.continuous_usage)
         return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
     return await unless_disconnected(raw, gen, fmt.collect)
 
@@ -115,15 +119,20 @@ class _Formatter:
     def _chunk(self, choice: dict) -> dict:
         return {**self.head, "object": "chat.completion.chunk", "choices": [choice]}
 
-    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         # The role comes first, before any token: clients see the reply begin at once.
         for index in range(self.gen.num_choices):
             delta = {"role": "assistant", "content": ""}
-            yield sse(self._chunk(_choice(index, delta, None, None)))
+            chunk = self._chunk(_choice(index, delta, None, None))
+            if continuous_usage:
+                chunk["usage"] = self.gen.usage()
+            yield sse(chunk)
         async for index, out in self.gen.outputs():
             chunk = self._delta_chunk(index, out)
             if chunk is None:
                 continue
+            if continuous_usage:
+                chunk["usage"] = self.gen.usage()
             if self.gen.done and not include_usage:
                 chunk["metrics"] = self.gen.timings()  # the last chunk of the stream
             yield sse(chunk)

@@ -32,9 +32,15 @@ async def create_completion(
     model = ctx.check_model(req.model)
     prompts = req.prompts()
     tok = ctx.tokenizer
+    ctx.check_capacity(len(prompts) * req.num_choices, "prompt" if len(prompts) > 1 else "n")
+    for p in prompts:
+        if isinstance(p, str) and req.truncate_prompt_tokens is None:
+            ctx.check_prompt_length(p)
+    special = req.add_special_tokens is not False
 
     def encode() -> tuple[list[list[int]], list[str]]:
-        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [tok.encode(p, special) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [req.truncate(i, ctx.max_model_len) for i in ids]
         texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts]
         return ids, texts
 
@@ -45,7 +51,7 @@ async def create_completion(
     gen.submit(token_prompts, params)
     fmt = _Formatter(gen, model, tok, [echoes[i // n] for i in range(gen.num_choices)])
     if req.stream:
-        chunks = fmt.stream(req.include_usage)
+        chunks = fmt.stream(req.include_usage, req.continuous_usage)
         return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
     return await unless_disconnected(raw, gen, fmt.collect)
 
@@ -106,13 +112,15 @@ class _Formatter:
             "metrics": self.gen.timings(),
         }
 
-    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
         started: set[int] = set()
         async for index, out in self.gen.outputs():
             chunk = self._chunk(index, out, index not in started)
             started.add(index)
             if chunk is None:
                 continue
+            if continuous_usage:
+                chunk["usage"] = self.gen.usage()
             if self.gen.done and not include_usage:
                 chunk["metrics"] = self.gen.timings()  # the last chunk of the stream
             yield sse(chunk)

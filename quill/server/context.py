@@ -17,7 +17,14 @@ class ServerContext:
     metrics: ServerMetrics
     served_model_names: list[str]
     api_key: str | None = None
+    # Limits: sequences waiting (every prompt x n counts), sequences one request may add,
+    # body bytes, and seconds a body may stall.
     max_queued_requests: int | None = None
+    max_seqs_per_request: int = 256
+    max_request_bytes: int = 4 << 20
+    request_body_timeout: float = 30.0
+    metrics_require_key: bool = False
+    enable_api_docs: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -45,17 +52,48 @@ class ServerContext:
             )
         return name
 
-    def check_capacity(self) -> None:
-        """503 with Retry-After when the waiting queue is full or the engine is gone."""
+    def check_capacity(self, num_seqs: int, param: str = "n") -> None:
+        """Room for `num_seqs` more sequences: 400 past the per-request bound, 503 with
+        Retry-After when the waiting queue cannot take them or the engine is gone."""
+        if num_seqs > self.max_seqs_per_request:
+            raise APIError(
+                400,
+                f"This request asks for {num_seqs} sequences (prompts x n); the server accepts at "
+                f"most {self.max_seqs_per_request} per request (--max-seqs-per-request).",
+                param=param,
+            )
         if not self.engine.is_alive:
             raise APIError(503, "The server is not serving requests.", "server_error")
         limit = self.max_queued_requests
-        if limit is not None and self.engine.num_waiting() >= limit:
+        if limit is not None and num_seqs > limit:
+            raise APIError(
+                400,
+                f"This request asks for {num_seqs} sequences (prompts x n), more than the "
+                f"{limit} the server lets wait at once (--max-queued-requests).",
+                param=param,
+            )
+        waiting = self.engine.num_waiting()
+        if limit is not None and waiting + num_seqs > limit:
             raise APIError(
                 503,
-                f"The server is overloaded: {limit} requests are already waiting. "
-                "Please retry after a short wait.",
+                f"The server is overloaded: {waiting} sequences are waiting and {limit} may; "
+                f"this request adds {num_seqs}. Please retry after a short wait.",
                 "server_error",
                 code="overloaded",
                 headers={"Retry-After": "1"},
+            )
+
+    def check_prompt_length(self, text: str, param: str = "prompt") -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context in any tokenization.
+
+        No token covers more than `max_token_chars` characters, so a text of more than
+        max_model_len * max_token_chars characters has more than max_model_len tokens.
+        """
+        bound = self.max_model_len * self.tokenizer.max_token_chars
+        if len(text) > bound:
+            raise APIError(
+                400,
+                f"The prompt has {len(text)} characters, more than the {self.max_model_len} "
+                f"tokens of this model's context can hold (at most {bound} characters).",
+                param=param,
             )

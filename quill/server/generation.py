@@ -39,10 +39,11 @@ class Generation:
         self.engine_ids: list[str] = []
         self.prompt_lens: list[int] = []
         self.finished: dict[int, RequestOutput] = {}
+        self.num_generated: dict[int, int] = {}  # tokens so far, per choice
 
     def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> None:
         """Add len(prompts) * len(params) engine requests; all or none (InvalidRequestError)."""
-        self.ctx.check_capacity()
+        self.ctx.check_capacity(len(prompts) * len(params), "prompt" if len(prompts) > 1 else "n")
         try:
             for prompt in prompts:
                 self.prompt_lens.append(len(prompt))
@@ -74,6 +75,7 @@ class Generation:
                 raise out
             if out.outputs[0].finish_reason == "error":
                 raise EngineFailure(out.error or "the engine failed this request")
+            self.num_generated[index] = len(out.outputs[0].token_ids)
             if out.finished:
                 self.finished[index] = out
             yield index, out
@@ -86,7 +88,7 @@ class Generation:
     # -- summaries ---------------------------------------------------------------------
     def usage(self) -> dict:
         prompt = sum(self.prompt_lens)
-        completion = sum(len(o.outputs[0].token_ids) for o in self.finished.values())
+        completion = sum(self.num_generated.values())
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,

@@ -1,60 +1,136 @@
 """Request schemas of the OpenAI-compatible API, and their translation to SamplingParams.
 
-Requests are parsed strictly (no "16" for 16, no 1 for true) and reject unknown fields, as
-OpenAI's API does. A few vLLM extensions that its users send (top_k, min_p,
-repetition_penalty, ignore_eos, ...) are accepted too. Responses are built as plain dicts in
-the endpoint modules: per streamed token, a pydantic model would cost more than the token.
+Field policy (what a client can rely on):
+- A field quill implements is parsed strictly (no "16" for 16, no 1 for true) and range-checked
+  against what the engine can represent (64-bit integers, finite floats); a bad value is a 400
+  naming the field.
+- OpenAI's fields and vLLM's extensions that benchmark clients and SDKs send are implemented with
+  their meaning (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stream_options with
+  continuous_usage_stats, include_stop_str_in_output, skip_special_tokens, ...).
+- A field quill knows but does not implement is a 400 when ignoring it would silently change the
+  result (`UNSUPPORTED`: logit_bias, tools, guided decoding, ...), and accepted when its value
+  asks for nothing (an empty list, false, null).
+- A field quill does not know is ignored, as vLLM does, and named in a warning in the log
+  (`ignored_fields`): a client written for a newer API still works.
+
+Responses are built as plain dicts in the endpoint modules: per streamed token, a pydantic model
+would cost more than the token.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quill.errors import InvalidRequestError
 from quill.sampling_params import SamplingParams
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # torch.Generator.manual_seed takes any int in this range; a seed outside it would fail inside
 # an engine step, so it is refused at the door.
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_SEED_MIN, _SEED_MAX = INT64_MIN, 2**64 - 1
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+# Known fields that change what is generated and that quill does not implement: refused when
+# they ask for something, so that ignoring them never changes a result silently.
+UNSUPPORTED: dict[str, str] = {
+    "logit_bias": "logit_bias is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "tools": "tools (function calling) are not supported",
+    "functions": "functions (function calling) are not supported",
+    "function_call": "function_call is not supported",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+    "structured_outputs": "structured outputs are not supported",
+    "use_beam_search": "beam search is not supported",
+    "bad_words": "bad_words is not supported",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported: the engine does not compute "
+    "logprobs of prompt tokens",
+    "logits_processors": "logits_processors are not supported",
+    "prediction": "predicted outputs are not supported",
+    "audio": "audio output is not supported",
+    "chat_template": "a per-request chat_template is not supported",
+    "continue_final_message": "continue_final_message is not supported",
+}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+def _asks_for_something(value: Any) -> bool:
+    # Identity for None and False: 0 is a request too (prompt_logprobs=0 asks for the chosen ones).
+    return not (value is None or value is False or value in ("", [], {}))
 
 
-class StreamOptions(_Strict):
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields a parsed request carried that quill does not know."""
+    names = [prefix + k for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                index = f".{i}" if isinstance(value, list) else ""
+                names += ignored_fields(item, f"{prefix}{name}{index}.")
+    return names
+
+
+class _Lenient(BaseModel):
+    """Known fields strict; unknown ones kept aside (model_extra) to be named and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and _asks_for_something(value):
+                raise InvalidRequestError(UNSUPPORTED[name], param=name)
+        return self
+
+
+class StreamOptions(_Lenient):
     include_usage: bool | None = False
+    # vLLM's extension: usage (so far) in every chunk, not only in a last one.
+    continuous_usage_stats: bool | None = False
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_Lenient):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # optional as in vLLM and llama.cpp: defaults to the served model
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    # Any k at or past the vocabulary means no limit; -1 and 0 mean none either (vLLM).
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool | None = False
-    min_tokens: int | None = Field(0, ge=0)
+    min_tokens: Count | None = 0
     n: int | None = Field(1, ge=1, le=128)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    # vLLM's flag for slow tokenizers; quill's fast tokenizers never add such spaces.
+    spaces_between_special_tokens: bool | None = True
+    # Keep only the last k prompt tokens (vLLM); -1 keeps what fits the model's context.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
     # Accepted and ignored, as they change nothing about what is generated.
     user: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    length_penalty: float | None = None  # beam search only
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -62,8 +138,10 @@ class _SamplingRequest(_Strict):
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        if self.truncate_prompt_tokens == 0:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
+            )
         return self
 
     @property
@@ -73,6 +151,18 @@ class _SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the engine gets it: its last truncate_prompt_tokens tokens, if asked."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        k = max_model_len if k == -1 else k
+        return token_ids[-k:] if len(token_ids) > k else token_ids
 
     def sampling_params(
         self, default_max_tokens: int | None, logprobs: int | None, index: int
@@ -97,15 +187,17 @@ class _SamplingRequest(_Strict):
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
             min_tokens=self.min_tokens or 0,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            skip_special_tokens=self.skip_special_tokens is not False,
         )
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=128)
+    add_special_tokens: bool | None = True  # vLLM: whether to add the BOS token and the like
 
     @model_validator(mode="after")
     def _check_completion(self):
@@ -113,8 +205,6 @@ class CompletionRequest(_SamplingRequest):
             not self.prompt or any(isinstance(p, list) and not p for p in self.prompt)
         ):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.num_choices:
             raise InvalidRequestError("best_of is not supported (it must equal n)", param="best_of")
         if self.echo and self.logprobs is not None:
@@ -132,12 +222,12 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class TextPart(_Strict):
+class TextPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Lenient):
     # "developer" is OpenAI's newer name for "system".
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -157,9 +247,10 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool | None = True
     response_format: dict | None = None
-    tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # without tools it asks for nothing
+    # OpenAI's "text" is the only output modality of a language model server.
+    modalities: list[str] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -167,12 +258,14 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
             )
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tools (function calling) are not supported", "tool_choice")
         if self.response_format and self.response_format.get("type") != "text":
             raise InvalidRequestError(
                 "only response_format {'type': 'text'} is supported", param="response_format"
             )
+        if self.modalities and set(self.modalities) != {"text"}:
+            raise InvalidRequestError("only the text modality is supported", param="modalities")
         for m in self.messages:
             if m.content is None and m.role != "assistant":
                 raise InvalidRequestError(f"a {m.role} message needs content", param="messages")
@@ -186,7 +279,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.as_template_dict() for m in self.messages]
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -201,6 +294,6 @@ class TokenizeRequest(_Strict):
         return self
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Lenient):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]

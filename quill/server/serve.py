@@ -16,7 +16,7 @@ import sys
 
 import uvicorn
 
-from quill.engine_args import add_engine_arguments, engine_options
+from quill.engine_args import add_engine_arguments, engine_options, parse_bytes
 from quill.server.app import build_app
 from quill.server.context import ServerContext
 
@@ -34,13 +34,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("QUILL_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $QUILL_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $QUILL_API_KEY)",
     )
     parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=1024,
-        help="requests allowed to wait for the engine; past it, 503 with Retry-After",
+        help="sequences (prompts x n) allowed to wait for the engine; past it, 503 with "
+        "Retry-After",
+    )
+    parser.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=256,
+        help="most sequences (prompts x n) one request may ask for; past it, 400",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=parse_bytes,
+        default=4 << 20,
+        help="largest request body accepted (e.g. 4MiB); past it, 413 before parsing",
+    )
+    parser.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may stall before the server answers 408",
+    )
+    parser.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="with --api-key, /metrics needs the key too (/health never does)",
+    )
+    parser.add_argument(
+        "--enable-api-docs",
+        action="store_true",
+        help="serve /docs and /openapi.json (off by default; they need the key like every route)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -116,6 +146,11 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         served_model_names=names,
         api_key=args.api_key or None,
         max_queued_requests=args.max_queued_requests,
+        max_seqs_per_request=args.max_seqs_per_request,
+        max_request_bytes=args.max_request_bytes,
+        request_body_timeout=args.request_body_timeout,
+        metrics_require_key=args.metrics_require_key,
+        enable_api_docs=args.enable_api_docs,
     )
     config = uvicorn.Config(
         build_app(ctx),
@@ -132,8 +167,14 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of `quill serve`; returns the process exit code."""
-    if args.max_queued_requests is not None and args.max_queued_requests < 1:
-        print("quill serve: --max-queued-requests must be at least 1", file=sys.stderr)
+    for flag in ("max_queued_requests", "max_seqs_per_request", "max_request_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            name = flag.replace("_", "-")
+            print(f"quill serve: --{name} must be at least 1", file=sys.stderr)
+            return 2
+    if args.request_body_timeout <= 0:
+        print("quill serve: --request-body-timeout must be positive", file=sys.stderr)
         return 2
     print(f"quill: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     server = build_server(args)

@@ -28,6 +28,10 @@ SERVER_ARGS = [
     "--port", "0",
     "--api-key", API_KEY,
     "--max-queued-requests", "64",
+    "--max-seqs-per-request", "32",
+    "--max-request-bytes", "1MiB",
+    "--request-body-timeout", "2",
+    "--enable-api-docs",
     "--log-level", "warning",
     "--no-access-log",
 ]  # fmt: skip

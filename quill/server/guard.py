@@ -1,0 +1,178 @@
+"""The door: what every HTTP request must pass before any route parses it.
+
+One ASGI layer, outermost, so that no route can forget a check:
+- the API key, on every path but /health and (unless asked) /metrics;
+- the body's media type: JSON, or none given (curl without -H). Anything else is a 415; this
+  also keeps a web page from posting a "simple" text/plain request to a server on localhost,
+  which a browser would send without asking;
+- the body's size, from Content-Length before reading and counted while reading (413);
+- a body that stalls is timed out (408), and a client that leaves halfway is one log line.
+
+The body is read here, once, and replayed to the route; later `receive` calls (the disconnect
+watch of non-streaming requests) go to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.responses import JSONResponse
+
+from quill.server.errors import error_body
+
+log = logging.getLogger(__name__)
+
+ARRIVAL = "quill.arrival_time"  # scope key: when the request reached the server
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """No Content-Type, application/json or application/*+json (parameters allowed)."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class RequestGuard:
+    """ASGI middleware enforcing the checks above; see the module docstring."""
+
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_request_bytes: int,
+        body_timeout: float,
+        metrics_require_key: bool = False,
+    ) -> None:
+        self.app = app
+        self.expected_key = _digest(f"Bearer {api_key}") if api_key else None
+        self.open_paths = {"/health"} | (set() if metrics_require_key else {"/metrics"})
+        self.max_request_bytes = max_request_bytes
+        self.body_timeout = body_timeout
+
+    async def __call__(self, scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope[ARRIVAL] = time.monotonic()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        if scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await self._read_body(receive)
+        except _ClientGone:
+            log.info("%s %s: the client left before sending its whole body", *_where(scope))
+            return
+        except _Refused as e:
+            await e.response(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _refusal(self, scope, headers: dict[str, str]) -> JSONResponse | None:
+        if self.expected_key is not None and scope["path"] not in self.open_paths:
+            # Digests compare in constant time and do not leak the key's length either.
+            given = _digest(headers.get("authorization", ""))
+            if not hmac.compare_digest(given, self.expected_key):
+                return _error(
+                    401,
+                    "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if scope["method"] not in _BODY_METHODS:
+            return None
+        if not is_json_media_type(headers.get("content-type")):
+            return _error(
+                415,
+                f"Content-Type {headers['content-type']!r} is not supported; send the body as "
+                "application/json.",
+            )
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return _error(400, "Content-Length is not a number")
+            if int(length) > self.max_request_bytes:
+                return self._too_large()
+        return None
+
+    def _too_large(self) -> JSONResponse:
+        return _error(
+            413,
+            f"The request body is larger than this server accepts ({self.max_request_bytes} "
+            "bytes; see --max-request-bytes).",
+        )
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                raise _Refused(
+                    _error(408, f"No part of the request body arrived for {self.body_timeout:g} s.")
+                ) from None
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise _Refused(self._too_large())
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+class _Refused(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        self.response = response
+
+
+def _error(status: int, message: str, code: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, "invalid_request_error", None, code),
+        status_code=status,
+        headers=headers,
+    )
+
+
+def _where(scope) -> tuple[str, str]:
+    return scope["method"], scope["path"]
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

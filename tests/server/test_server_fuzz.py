@@ -1,0 +1,102 @@
+"""Fuzzing every POST route from the server's own OpenAPI document.
+
+Bodies are drawn from the request schemas the server publishes (schema_strategy.py), two thirds
+valid by the schema and a third with one field replaced by arbitrary JSON. Whatever comes in:
+no 5xx, the engine keeps serving, and once the requests are done no KV block is held.
+Generation lengths are capped (max_tokens <= 4) so the cases fit the CI budget; everything
+else is as drawn.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schema_strategy import from_schema
+from server_helpers import wait_until
+
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+_CAPPED = ("max_tokens", "max_completion_tokens", "min_tokens")
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_subnormal=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=5,
+)
+
+
+def bounded(body, path: str, model: str):
+    """Cap the work a drawn body asks for (at most 4 new tokens, 1 or 2 sequences), and name
+    the served model in most bodies that name one (a random name is only ever a 404)."""
+    if not isinstance(body, dict):
+        return body
+    if isinstance(body.get("model"), str) and len(body["model"]) % 4:
+        body["model"] = model
+    if not path.startswith("/v1"):
+        return body
+    for name in _CAPPED:
+        if isinstance(body.get(name), int) and not isinstance(body[name], bool):
+            body[name] = min(body[name], 4)
+    if "max_tokens" not in body:
+        body["max_tokens"] = 4  # chat would otherwise run to the end of the context
+    if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
+        body["n"] = min(body["n"], 2)
+    if isinstance(body.get("prompt"), list) and body["prompt"]:
+        body["prompt"] = body["prompt"][:2]
+    return body
+
+
+@pytest.fixture(scope="module")
+def openapi(http: httpx.Client) -> dict:
+    r = http.get("/openapi.json")
+    assert r.status_code == 200
+    return r.json()
+
+
+def mutated(valid: st.SearchStrategy) -> st.SearchStrategy:
+    def replace(body: dict, data) -> dict:
+        if not isinstance(body, dict) or not body:
+            return body
+        name = data.draw(st.sampled_from(sorted(body)))
+        return {**body, name: data.draw(_json)}
+
+    return st.tuples(valid, st.data()).map(lambda t: replace(*t))
+
+
+@pytest.mark.parametrize("path", ROUTES)
+def test_fuzz_from_openapi_schema(server, http, openapi, path, greedy, model_name):
+    body = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    valid = from_schema(body["schema"], openapi)
+    statuses: list[int] = []
+
+    @settings(
+        max_examples=40,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
+    @given(st.one_of(valid, valid, mutated(valid)))
+    def check(body):
+        payload = json.dumps(bounded(body, path, model_name), allow_nan=False).encode()
+        r = http.post(path, content=payload)
+        statuses.append(r.status_code)
+
+        assert r.status_code < 500, (payload, r.text[:500])
+        if r.status_code >= 400:
+            error = r.json()["error"]
+            assert error["message"] and "Traceback" not in error["message"]
+
+    check()
+    assert any(s == 200 for s in statuses), f"no drawn body was accepted: {statuses}"
+    engine = server.ctx.engine
+    wait_until(lambda: engine.num_in_flight == 0 and engine.engine.scheduler.kv.usage == 0)
+    assert engine.is_alive
+    ok = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert ok.json()["choices"][0]["text"] == greedy(["Hello"], 3)[0]
