@@ -43,9 +43,9 @@ async def create_chat_completion(
     messages = req.template_messages()
     add_gen = req.add_generation_prompt is not False
 
-    ctx.check_capacity(req.num_choices)
     if req.truncate_prompt_tokens is None:
         ctx.check_prompt_length("".join(m["content"] for m in messages), "messages")
+    ctx.check_capacity(req.num_choices)
 
     def encode() -> list[int]:
         return req.truncate(encode_chat(tok, messages, add_gen), ctx.max_model_len)
