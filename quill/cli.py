@@ -1,4 +1,4 @@
-"""The `quill` command: generate, chat, serve, cost (and calibrate), simulate."""
+"""The `quill` command: generate, chat, serve, cost (and calibrate), simulate, bench."""
 
 from __future__ import annotations
 
@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     from quill.sim.cli import add_simulate_parser
 
     add_simulate_parser(sub)
+
+    from quill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -7,13 +7,13 @@ time whatever the server is doing (an open loop, so a slow server builds a queue
 slowing the client down), streams the reply and timestamps every chunk on arrival. It asks for
 one logprob per token so every token arrives as a chunk of its own, even one whose text is
 held back. Failures (refused connections, error statuses, dropped streams) are kept with their
-reasons, and the run goes on.
+reasons, and the run goes on. `quill bench serve` (quill.bench.serve) is the full benchmark;
+this keeps the per-token records the scripts under benchmarks/ compare with the simulator.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from quill.bench.stream import StreamFailure, count_new_tokens, sse_chunks
 from quill.sim.metrics import Distribution
 from quill.sim.workload import WorkItem
 
@@ -75,16 +76,6 @@ async def _one(
     await stream_completion(client, record, body)
 
 
-def count_new_tokens(chunk: dict, counted: int) -> int:
-    """Tokens a streamed chunk brings: one logprob entry per token (quill, vLLM, OpenAI with
-    `logprobs`), or llama-server's running count (`timings.predicted_n`)."""
-    timings = chunk.get("timings")
-    if timings and "predicted_n" in timings:
-        return max(timings["predicted_n"] - counted, 0)
-    choices = chunk.get("choices") or []
-    return sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in choices)
-
-
 async def stream_completion(client: httpx.AsyncClient, record: RequestRecord, body: dict) -> None:
     """One streamed completion into `record`, every token timestamped as its chunk arrives."""
     record.sent = time.monotonic()
@@ -94,17 +85,10 @@ async def stream_completion(client: httpx.AsyncClient, record: RequestRecord, bo
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                now = time.monotonic()
-                if line == "data: [DONE]":
+            async for now, chunk in sse_chunks(response, time.monotonic):
+                if chunk is None:
                     record.finished = now
                     break
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    record.error = f"stream error: {chunk['error']}"
-                    return
                 new_tokens = count_new_tokens(chunk, record.output_tokens)
                 record.chunk_times.extend([now] * new_tokens)
                 record.output_tokens += new_tokens
@@ -112,8 +96,8 @@ async def stream_completion(client: httpx.AsyncClient, record: RequestRecord, bo
                     record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
                 if "metrics" in chunk:
                     record.server_metrics = chunk["metrics"]
-            if record.finished is None:
-                record.error = "stream ended without [DONE]"
+    except StreamFailure as e:
+        record.error = e.reason
     except httpx.HTTPError as e:
         record.error = f"{type(e).__name__}: {e}"
 

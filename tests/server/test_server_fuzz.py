@@ -41,6 +41,13 @@ def bounded(body, path: str, model: str):
         body["model"] = model
     if not path.startswith("/v1"):
         return body
+    # Rules across fields that a JSON schema cannot state, made to hold in most bodies so that
+    # most valid-by-schema bodies reach the engine (a third keep them broken).
+    if len(body) % 3:
+        if body.get("stream") is not True:
+            body.pop("stream_options", None)
+        if body.get("logprobs") is not True and path.endswith("chat/completions"):
+            body.pop("top_logprobs", None)
     for name in _CAPPED:
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = min(body[name], 4)
@@ -81,6 +88,7 @@ def test_fuzz_from_openapi_schema(server, http, openapi, path, greedy, model_nam
         deadline=None,
         suppress_health_check=list(HealthCheck),
         database=None,
+        derandomize=True,  # the same bodies on every machine: a failure here reproduces
     )
     @given(st.one_of(valid, valid, mutated(valid)))
     def check(body):
