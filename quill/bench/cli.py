@@ -1,4 +1,5 @@
-"""`quill bench`: the command line of the benchmark clients (`quill bench serve` for now).
+"""`quill bench`: the command line of the benchmark client (`quill bench serve`) and of the
+experiments (`quill bench experiments`, parsed in quill.bench.experiments.cli).
 
 Only argument parsing lives here, importing nothing heavy, so that `quill --help` stays quick;
 the run itself is quill.bench.serve.
@@ -154,7 +155,8 @@ def _run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with `bench serve`) on the `quill` command's subparsers."""
+    """Register `bench` (`bench serve`, `bench experiments`) on the `quill` command's
+    subparsers."""
     parser = subparsers.add_parser("bench", help="benchmark clients")
     commands = parser.add_subparsers(dest="bench_command", required=True)
     serve = commands.add_parser(
@@ -166,4 +168,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_serve_bench_arguments(serve)
     serve.set_defaults(func=_run_serve_bench)
+    from quill.bench.experiments.cli import add_experiments_parser
+
+    add_experiments_parser(commands)
     return parser

@@ -248,5 +248,7 @@ def engine_for(
         max_num_batched_tokens=max(c.step_tokens for c in cases),
         max_num_seqs=max(c.decodes + c.chunks for c in cases),
         kv_cache_memory=int((blocks + 4) * block_size * spec.kv_bytes_per_token),
+        # The cost model prices the weights in `dtype`; auto would run small steps in int8.
+        quantization="none",
     )
     return LLMEngine(config)
