@@ -45,7 +45,6 @@ async def create_chat_completion(
 
     if req.truncate_prompt_tokens is None:
         ctx.check_prompt_length("".join(m["content"] for m in messages), "messages")
-    ctx.check_capacity(req.num_choices)
 
     def encode() -> list[int]:
         return req.truncate(encode_chat(tok, messages, add_gen), ctx.max_model_len)

@@ -32,11 +32,10 @@ async def create_completion(
     model = ctx.check_model(req.model)
     prompts = req.prompts()
     tok = ctx.tokenizer
-    # A request that can never be served is a 400 whatever the load, so this comes first.
+    # Before tokenizing: a text too long for the context in any tokenization.
     for p in prompts:
         if isinstance(p, str) and req.truncate_prompt_tokens is None:
             ctx.check_prompt_length(p)
-    ctx.check_capacity(len(prompts) * req.num_choices, "prompt" if len(prompts) > 1 else "n")
     special = req.add_special_tokens is not False
 
     def encode() -> tuple[list[list[int]], list[str]]:

@@ -43,6 +43,12 @@ class Generation:
 
     def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> None:
         """Add len(prompts) * len(params) engine requests; all or none (InvalidRequestError)."""
+        # A request that can never be served is a 400 whatever the load: validated before the
+        # queue is asked for room.
+        core = self.ctx.engine.engine.core
+        for prompt in prompts:
+            for p in params:
+                core.resolve_max_tokens(len(prompt), p)
         self.ctx.check_capacity(len(prompts) * len(params), "prompt" if len(prompts) > 1 else "n")
         try:
             for prompt in prompts:

@@ -184,6 +184,15 @@ def test_queue_bound_counts_sequences(server, http, monkeypatch):
     assert http.post(COMPLETIONS, json={**body, "n": 1}).status_code == 200
 
 
+def test_a_request_that_can_never_fit_is_400_even_when_the_queue_is_full(server, http, monkeypatch):
+    monkeypatch.setattr(server.ctx.engine, "num_waiting", lambda: 10**6)
+    body = {"prompt": "x", "max_tokens": 9000}
+    check_error(http.post(COMPLETIONS, json=body), 400, "max_tokens")
+    check_error(http.post(COMPLETIONS, json={"prompt": "a" * 10**6}), 400, "prompt")
+    error = check_error(http.post(COMPLETIONS, json={**body, "max_tokens": 2}), 503)
+    assert error["code"] == "overloaded"
+
+
 def test_body_size_limit(server, http):
     limit = server.ctx.max_request_bytes
     big = json.dumps({"prompt": "a" * limit}).encode()
