@@ -11,6 +11,7 @@ import argparse
 import math
 from pathlib import Path
 
+from quill import argtypes
 from quill.sim.metrics import SLO
 from quill.sim.workload import LengthSpec
 
@@ -47,38 +48,6 @@ datasets (--dataset FILE): a JSON list or JSONL of ShareGPT conversations
 exit status: 0 when some request succeeded, 1 when none did, 2 when the run could not start."""
 
 
-def _argtype(parse, what: str):
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{what}: {e}") from None
-
-    convert.__name__ = what
-    return convert
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {text!r}")
-    return value
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if math.isnan(value) or value <= 0:
-        raise ValueError(f"must be positive (or inf), got {text!r}")
-    return value
-
-
-def _positive_finite(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"must be positive and finite, got {text!r}")
-    return value
-
-
 def _dataset(text: str) -> str | Path:
     if text == "random":
         return text
@@ -93,39 +62,44 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
     add("--model", default=None, help="model name (default: the first of GET /v1/models)")
     add("--endpoint", choices=("completions", "chat"), default="completions")
-    add("--num-prompts", type=_argtype(_positive_int, "num-prompts"), default=100)
+    add("--num-prompts", type=argtypes.checked(argtypes.positive_int, "num-prompts"), default=100)
     add(
         "--request-rate",
-        type=_argtype(_rate, "request-rate"),
+        type=argtypes.checked(argtypes.rate, "request-rate"),
         default=math.inf,
         help="requests per second, Poisson arrivals (inf, the default: all at once)",
     )
     add(
         "--burstiness",
-        type=_argtype(_positive_finite, "burstiness"),
+        type=argtypes.checked(argtypes.positive, "burstiness"),
         default=1.0,
         help="gamma shape of the inter-arrival times, mean kept at 1/rate: 1 is Poisson, "
         "below 1 burstier, above 1 more even",
     )
     add(
         "--max-concurrency",
-        type=_argtype(_positive_int, "max-concurrency"),
+        type=argtypes.checked(argtypes.positive_int, "max-concurrency"),
         default=None,
         help="at most N requests in flight; the others wait in the client",
     )
     add(
         "--input-len",
-        type=_argtype(LengthSpec.parse, "input-len"),
+        type=argtypes.checked(LengthSpec.parse, "input-len"),
         default=LengthSpec(1024, 1024),
         help="prompt tokens for --dataset random: N, or MIN:MAX uniform (default: 1024)",
     )
     add(
         "--output-len",
-        type=_argtype(LengthSpec.parse, "output-len"),
+        type=argtypes.checked(LengthSpec.parse, "output-len"),
         default=None,
         help="max_tokens: N or MIN:MAX (default: 128, or the dataset's lengths)",
     )
-    add("--dataset", type=_argtype(_dataset, "dataset"), default="random", help="random or FILE")
+    add(
+        "--dataset",
+        type=argtypes.checked(_dataset, "dataset"),
+        default="random",
+        help="random or FILE",
+    )
     add("--ignore-eos", action="store_true", help="generate max_tokens tokens whatever comes")
     add(
         "--tokenizer",
@@ -133,10 +107,12 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="local tokenizer.json or model directory (default: the default model's)",
     )
-    add("--slo", type=_argtype(SLO.parse, "slo"), default=None, help="ttft=MS,itl=MS,e2e=MS")
+    add(
+        "--slo", type=argtypes.checked(SLO.parse, "slo"), default=None, help="ttft=MS,itl=MS,e2e=MS"
+    )
     add("--seed", type=int, default=None, help="fixes prompts, lengths and arrivals")
     add("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
-    add("--timeout", type=_argtype(_positive_finite, "timeout"), default=600.0,
+    add("--timeout", type=argtypes.checked(argtypes.positive, "timeout"), default=600.0,
         help="seconds one request may take in all (default: %(default)g)")  # fmt: skip
     add("--out", type=Path, default=None, help="write every request's timings here (JSON)")
     add("--plot", type=Path, default=None, help="write TTFT/ITL CDFs and a timeline here")

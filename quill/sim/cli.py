@@ -15,6 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 
+from quill import argtypes
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import ModelSpec, bytes_per_element
 from quill.engine_args import add_scheduler_arguments
@@ -63,31 +64,6 @@ prefill replica's; the transfer shows in the first inter-token gap. Both sides r
 replica holding the least unfinished work (or round robin)."""
 
 
-def _type(parse, what: str):
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{what}: {e}") from None
-
-    convert.__name__ = what  # argparse names the type in some messages
-    return convert
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if math.isnan(value) or value <= 0:
-        raise ValueError(f"must be positive (or inf), got {text!r}")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"must be positive and finite, got {text!r}")
-    return value
-
-
 def _split(text: str) -> tuple[int, int]:
     p, sep, d = text.partition(":")
     try:
@@ -127,25 +103,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--num-requests", type=int, default=None, help="default 1000 (trace: all)")
     work.add_argument(
         "--request-rate",
-        type=_type(_rate, "request rate"),
+        type=argtypes.checked(argtypes.rate, "request rate"),
         default=math.inf,
         help="requests per second (default inf: all at t=0)",
     )
     work.add_argument(
         "--burstiness",
-        type=_type(_positive, "burstiness"),
+        type=argtypes.checked(argtypes.positive, "burstiness"),
         default=1.0,
         help="gamma shape of inter-arrival times (1: Poisson; <1: burstier)",
     )
     work.add_argument(
         "--prompt-tokens",
-        type=_type(LengthSpec.parse, "prompt tokens"),
+        type=argtypes.checked(LengthSpec.parse, "prompt tokens"),
         default=LengthSpec(256, 256),
         help="N or MIN:MAX (uniform)",
     )
     work.add_argument(
         "--output-tokens",
-        type=_type(LengthSpec.parse, "output tokens"),
+        type=argtypes.checked(LengthSpec.parse, "output tokens"),
         default=LengthSpec(128, 128),
         help="N or MIN:MAX (uniform)",
     )
@@ -161,24 +137,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-model-len", type=int, default=None)
     modes = parser.add_argument_group("objectives and modes")
     modes.add_argument(
-        "--slo", type=_type(SLO.parse, "slo"), default=None, metavar="ttft=MS,itl=MS[,e2e=MS]"
+        "--slo",
+        type=argtypes.checked(SLO.parse, "slo"),
+        default=None,
+        metavar="ttft=MS,itl=MS[,e2e=MS]",
     )
     modes.add_argument("--capacity", action="store_true", help="search the sustainable rate")
     modes.add_argument(
         "--capacity-tolerance",
-        type=_type(_positive, "tolerance"),
+        type=argtypes.checked(argtypes.positive, "tolerance"),
         default=0.02,
         help="relative gap between passing and failing rates (default 0.02)",
     )
     modes.add_argument(
         "--target-rate",
-        type=_type(_positive, "target rate"),
+        type=argtypes.checked(argtypes.positive, "target rate"),
         default=None,
         help="with --capacity: replicas needed for this many requests/s",
     )
     modes.add_argument(
         "--disaggregate",
-        type=_type(_split, "disaggregate"),
+        type=argtypes.checked(_split, "disaggregate"),
         default=None,
         metavar="P:D",
         help="compare P prefill + D decode replicas",
