@@ -10,7 +10,6 @@ import statistics
 
 import pytest
 
-from quill.bench.arrivals import arrival_offsets
 from quill.bench.datasets import (
     DatasetEntry,
     random_requests,
@@ -19,7 +18,7 @@ from quill.bench.datasets import (
 )
 from quill.bench.prompts import ExactPrompts, load_tokenizer
 from quill.bench.serve import resolve_seed
-from quill.sim.workload import LengthSpec
+from quill.sim.workload import LengthSpec, arrival_times
 
 N = 20_000
 
@@ -29,6 +28,10 @@ def _gaps(offsets: list[float]) -> list[float]:
 
 
 # -- arrivals ------------------------------------------------------------------------------
+def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    return list(arrival_times(n, rate, burstiness, seed))
+
+
 def test_poisson_arrivals_have_exponential_gaps():
     rate = 5.0
     offsets = arrival_offsets(N + 1, rate, burstiness=1.0, seed=11)

@@ -16,7 +16,6 @@ import os
 import random
 import sys
 
-from quill.bench.arrivals import arrival_offsets
 from quill.bench.datasets import (
     BenchRequest,
     random_requests,
@@ -28,7 +27,7 @@ from quill.bench.report import format_table, write_json
 from quill.bench.runner import Target, first_model, run_requests
 from quill.bench.stats import summarize_run
 from quill.bench.stream import ENDPOINT_PATHS
-from quill.sim.workload import LengthSpec
+from quill.sim.workload import LengthSpec, arrival_times
 
 DEFAULT_OUTPUT_LEN = LengthSpec(128, 128)
 
@@ -76,7 +75,7 @@ def bench_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"quill bench serve: {e}", file=sys.stderr)
         return 2
-    offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, seed)
+    offsets = list(arrival_times(len(requests), args.request_rate, args.burstiness, seed))
     target = Target(
         base_url,
         model,

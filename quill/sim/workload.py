@@ -55,6 +55,29 @@ class LengthSpec:
         return str(self.low) if self.low == self.high else f"{self.low}:{self.high}"
 
 
+def arrival_times(
+    num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0
+) -> Iterator[float]:
+    """Seconds from the start at which each request arrives: the first at 0, then gamma
+    inter-arrival times of shape `burstiness` and mean 1/rate (shape 1 is a Poisson process;
+    below 1 burstier, above 1 more even: the coefficient of variation is 1/sqrt(shape)). With an
+    infinite rate all arrive at 0. The one arrival process of the simulator and of
+    `quill bench serve`. Generated lazily."""
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    if not rate > 0:
+        raise ValueError(f"request rate must be positive (or inf), got {rate}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness must be positive and finite, got {burstiness}")
+    rng = random.Random(f"quill-sim:{seed}:arrivals")
+    scale = 0.0 if math.isinf(rate) else 1.0 / rate
+    t = 0.0
+    for i in range(num_requests):
+        if i:
+            t += rng.gammavariate(burstiness, 1.0 / burstiness) * scale  # mean-1 gap, scaled
+        yield t
+
+
 def synthetic(
     num_requests: int,
     rate: float,
@@ -63,24 +86,11 @@ def synthetic(
     burstiness: float = 1.0,
     seed: int = 0,
 ) -> Iterator[WorkItem]:
-    """Requests arriving at `rate` per second: gamma inter-arrival times of shape `burstiness`
-    and mean 1/rate (shape 1 is a Poisson process; below 1 burstier, above 1 more even). The
-    first request arrives at t=0; with an infinite rate all do. Generated lazily."""
-    if num_requests < 0:
-        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
-    if not rate > 0:
-        raise ValueError(f"request rate must be positive, got {rate}")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"burstiness must be positive and finite, got {burstiness}")
+    """Requests arriving at `rate` per second (see `arrival_times`) with prompt and reply
+    lengths drawn from their specs. Generated lazily."""
     # Separate streams: the arrival pattern does not change when the lengths do, and vice versa.
-    arrivals = random.Random(f"quill-sim:{seed}:arrivals")
     lengths = random.Random(f"quill-sim:{seed}:lengths")
-    scale = 0.0 if math.isinf(rate) else 1.0 / rate
-    t = 0.0
-    for i in range(num_requests):
-        if i:
-            gap = arrivals.gammavariate(burstiness, 1.0 / burstiness)  # mean 1
-            t += gap * scale
+    for i, t in enumerate(arrival_times(num_requests, rate, burstiness, seed)):
         yield WorkItem(str(i), t, prompt.draw(lengths), output.draw(lengths))
 
 
