@@ -47,3 +47,10 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise ValueError(f"must be >= 1, got {text!r}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {text!r}")
+    return value

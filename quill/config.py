@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,11 @@ class EngineConfig:
     # machine's calibration when one was saved, else FLOPs and bytes only (no times, no $).
     hardware: str | None = None
     price_per_hour: float | None = None  # USD, to put a price on every request
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier prompts
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower `priority` first)
+    priority_aging: float = 10.0  # seconds of waiting worth one priority level (inf: none)
+    # Refuse a request at once when its predicted time to first token exceeds this (seconds).
+    max_ttft_slo: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,6 +62,16 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.price_per_hour is not None and not self.price_per_hour > 0:
             raise ValueError(f"price_per_hour must be positive, got {self.price_per_hour}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"unknown scheduling_policy {self.scheduling_policy!r} (fcfs | priority)"
+            )
+        if not self.priority_aging > 0:
+            raise ValueError(f"priority_aging must be positive (or inf), got {self.priority_aging}")
+        if self.max_ttft_slo is not None and not (
+            self.max_ttft_slo > 0 and math.isfinite(self.max_ttft_slo)
+        ):
+            raise ValueError(f"max_ttft_slo must be positive seconds, got {self.max_ttft_slo}")
         if self.quantization is None:
             self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:

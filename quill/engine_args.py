@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from quill.argtypes import checked, positive, rate
 from quill.config import QUANTIZATIONS
 
 
@@ -40,6 +41,28 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--price-per-hour", type=float, default=None, help="USD per hour, to price requests"
     )
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=("fcfs", "priority"),
+        help="fcfs: arrival order; priority: lower `priority` of a request first (default fcfs)",
+    )
+    parser.add_argument(
+        "--priority-aging",
+        type=checked(rate, "seconds"),
+        default=10.0,
+        metavar="SECONDS",
+        help="under the priority policy a waiting request gains one level per SECONDS waited, "
+        "which bounds its wait; inf: strict priority, a low one can wait forever (default 10)",
+    )
+    parser.add_argument(
+        "--max-ttft-slo",
+        type=checked(positive, "milliseconds"),
+        default=None,
+        metavar="MS",
+        help="refuse at once (503, Retry-After) a request whose predicted time to first token "
+        "exceeds MS milliseconds, instead of queuing it to time out",
+    )
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +73,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory", type=parse_bytes, default=None, help="bytes (e.g. 2GiB, 512MiB)"
     )
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of full blocks of earlier prompts (default on)",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -67,6 +96,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         record_steps=args.record_steps,
         hardware=args.hardware,
         price_per_hour=args.price_per_hour,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        priority_aging=args.priority_aging,
+        max_ttft_slo=None if args.max_ttft_slo is None else args.max_ttft_slo / 1000,
     )
 
 

@@ -25,9 +25,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt in one continuous batch; outputs come back in input order."""
+        """Generate for every prompt in one continuous batch; outputs come back in input order.
+        `priority`, one per prompt (lower first), needs `scheduling_policy="priority"`."""
         prompts = _as_prompt_list(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -36,11 +40,18 @@ class LLM:
                 raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 if isinstance(prompt, dict):
                     prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
                 self._counter += 1
-                ids.append(self.engine.add_request(prompt, p, request_id=f"gen-{self._counter}"))
+                ids.append(
+                    self.engine.add_request(
+                        prompt,
+                        p,
+                        request_id=f"gen-{self._counter}",
+                        priority=0 if priority is None else priority[i],
+                    )
+                )
         except Exception:
             for rid in ids:  # leave nothing half-queued behind a bad prompt
                 self.engine.abort_request(rid)

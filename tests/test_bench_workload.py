@@ -139,6 +139,15 @@ def test_random_requests_repeat_with_a_seed_and_differ_without(prompts, server_t
     assert resolve_seed(123) == 123
 
 
+def test_random_prefix_is_shared_token_for_token(prompts, server_tokenizer):
+    fixed, out = LengthSpec(40, 40), LengthSpec(4, 4)
+    requests = random_requests(6, fixed, out, prompts, seed=9, prefix_len=100)
+    encoded = [server_tokenizer.encode(r.prompt) for r in requests]
+    assert all(len(ids) == r.prompt_len == 140 for ids, r in zip(encoded, requests))
+    assert all(ids[:100] == encoded[0][:100] for ids in encoded)  # the prefix, exactly
+    assert len({tuple(ids[100:]) for ids in encoded}) == 6  # the rest, each its own
+
+
 # -- dataset files ----------------------------------------------------------------------------
 def _words(text: str) -> int:
     return len(text.split())

@@ -18,13 +18,14 @@ LM_HEAD_PARAMS = 576 * 49152
 ATTENTION_FLOPS_PER_PAIR = 4 * 30 * 9 * 64
 
 
-def request_flops(num_prompt: int, num_output: int) -> int:
-    """A request's FLOPs over its life: every token but the last goes through the layers once,
-    every output token is sampled once, and token p attends to p + 1 keys."""
+def request_flops(num_prompt: int, num_output: int, num_cached: int = 0) -> int:
+    """A request's FLOPs over its life: every token but the last goes through the layers once
+    (but the `num_cached` the prefix cache held), every output token is sampled once, and token
+    p attends to p + 1 keys."""
     tokens = num_prompt + num_output - 1
-    pairs = tokens * (tokens + 1) // 2
+    pairs = tokens * (tokens + 1) // 2 - num_cached * (num_cached + 1) // 2
     return (
-        2 * LAYER_LINEAR_PARAMS * tokens
+        2 * LAYER_LINEAR_PARAMS * (tokens - num_cached)
         + 2 * LM_HEAD_PARAMS * num_output
         + ATTENTION_FLOPS_PER_PAIR * pairs
     )
@@ -41,7 +42,10 @@ def test_request_flops_do_not_depend_on_batching(llm):
         finally:
             scheduler.token_budget = saved
         for prompt, out in zip(prompts, outs):
-            assert out.metrics.flops == request_flops(len(prompt), 6)
+            cached = out.metrics.num_cached_tokens
+            if budget == 512:  # the second time: every full block but the last token's is cached
+                assert cached == (len(prompt) - 1) // 16 * 16
+            assert out.metrics.flops == request_flops(len(prompt), 6, cached)
             assert out.metrics.bytes_moved > 0 and out.metrics.cost_usd is None
     assert llm.engine.accountant.charges == {}  # nothing left behind once requests end
 

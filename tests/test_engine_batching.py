@@ -37,7 +37,10 @@ def test_chunked_prefill_keeps_decodes_running(llm):
     try:
         short = engine.add_request("Hello", GREEDY)
         engine.step()  # the short prompt is taken in and starts decoding
-        engine.add_request(PROMPTS[-1], SamplingParams(max_tokens=2, temperature=0))
+        # Salted: earlier tests left this prompt in the prefix cache, and it must be computed.
+        engine.add_request(
+            PROMPTS[-1], SamplingParams(max_tokens=2, temperature=0), cache_salt="chunked"
+        )
         steps = 0
         while engine.has_unfinished_requests():
             outs = engine.step()
@@ -67,6 +70,8 @@ def test_preemption_keeps_outputs(model_dir, alone):
     assert [o.outputs[0].token_ids for o in outputs] == alone[:7]
     assert sum(o.metrics.num_preemptions for o in outputs) == small.engine.scheduler.num_preemptions
     assert small.engine.scheduler.kv.pool.num_free_blocks == 24
+    # Preempted requests found some of their own blocks still cached when they came back.
+    assert small.engine.scheduler.kv.stats.hits > 0
 
 
 def test_seeded_sampling_is_batch_invariant(llm):
@@ -82,3 +87,17 @@ def test_seeded_sampling_is_batch_invariant(llm):
     # and the seed matters: another seed gives another continuation
     other = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=4321)
     assert llm.generate(PROMPTS[1], other, use_tqdm=False)[0].outputs[0].token_ids != solo
+
+
+def test_priority_policy_serves_the_most_important_first(model_dir, alone):
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        quantization="none",
+        scheduling_policy="priority",
+        max_num_seqs=1,
+    )
+    outputs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, priority=[2, 0, 1])
+    assert [o.outputs[0].token_ids for o in outputs] == alone[:3]  # in input order, unchanged
+    first = [o.metrics.arrival_time + o.metrics.time_to_first_token for o in outputs]
+    assert first[1] < first[2] < first[0]

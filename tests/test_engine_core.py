@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from quill import SamplingParams
-from quill.engine.block_pool import KVCacheManager
 from quill.engine.clock import VirtualClock
 from quill.engine.core import EngineCore
+from quill.engine.kv_cache import KVCacheManager
 from quill.engine.plan import SeqPlan, StepPlan, StepResult
 from quill.engine.record import read_steps
 from quill.engine.request import Request

@@ -130,10 +130,12 @@ def test_disaggregation_serves_everyone_and_reports_both(capsys):
 
 
 def test_simulator_schedules_like_the_real_engine(tmp_path, model_dir):
-    """The same arrivals (two waves, a pool small enough to preempt) give the same plans."""
+    """The same arrivals (two waves, a pool small enough to preempt, prompts sharing prefixes)
+    give the same plans, prefix cache hits included."""
     from quill.config import EngineConfig
     from quill.engine.llm_engine import LLMEngine
     from quill.sampling_params import SamplingParams
+    from quill.sim.replica import PromptTokens
 
     write_tiny_config(tmp_path, model_dir)
     spec = ModelSpec.from_path(tmp_path, bytes_per_param=4)
@@ -147,14 +149,24 @@ def test_simulator_schedules_like_the_real_engine(tmp_path, model_dir):
         **limits,
     )
     lengths = [(40, 30), (20, 50), (60, 8), (33, 40), (8, 70), (50, 20), (25, 25), (70, 5)]
-    first = [WorkItem(str(i), 0.0, p, o) for i, (p, o) in enumerate(lengths[:5])]
+    # Prefix "a" is two full blocks; "b" one block and a bit (request 6's whole prompt); request
+    # 4's 8 shared tokens fill no block.
+    prefixes = {0: ("a", 32), 2: ("a", 32), 4: ("a", 8), 5: ("a", 32), 7: ("a", 32)}
+    prefixes.update({3: ("b", 25), 6: ("b", 25)})
+
+    def item(i: int, t: float) -> WorkItem:
+        return WorkItem(str(i), t, *lengths[i], *prefixes.get(i, (None, 0)))
+
+    first = [item(i, 0.0) for i in range(5)]
     alone = run_colocated(config, first)["results"]["duration_s"]
     waves = (0.25, 0.25, 0.6)  # the second wave arrives a quarter of the way in, and later
-    second = [WorkItem(str(i + 5), alone * f, *lengths[i + 5]) for i, f in enumerate(waves)]
+    second = [item(i + 5, alone * f) for i, f in enumerate(waves)]
     sim = run_colocated(config, first + second, record=True)
     replica = sim["_replicas"][0]
     assert sim["results"]["num_preemptions"] > 0
     assert len({step for step, _ in replica.add_log}) >= 3  # arrivals in several waves
+    sim_kv = replica.core.scheduler.kv.stats
+    assert sim_kv.hits >= 4 * 16  # the second wave maps prefix "a" at least
 
     engine = LLMEngine(
         EngineConfig(
@@ -169,18 +181,68 @@ def test_simulator_schedules_like_the_real_engine(tmp_path, model_dir):
     )
     assert engine.scheduler.kv.num_blocks == config.num_blocks
     assert engine.max_model_len == config.max_model_len
+    # The simulator's prompts, in the order it made them, as distinct valid token ids.
+    items = {w.request_id: w for w in first + second}
+    tokens, vocab = PromptTokens(), {}
+    prompts = {
+        rid: [vocab.setdefault(t, 100 + len(vocab)) for t in tokens(items[rid])]
+        for _, rid in replica.add_log
+    }
+    assert len(vocab) == 2 + 6  # one per prefix, one per prompt not all prefix (not 4 and 6)
     arrivals = list(replica.add_log)
     plans = []
     while arrivals or engine.has_unfinished_requests():
         while arrivals and arrivals[0][0] == len(plans):
             rid = arrivals.pop(0)[1]
-            p, o = lengths[int(rid)]
-            params = SamplingParams(max_tokens=o, ignore_eos=True, temperature=0)
-            engine.add_request([5 + i for i in range(p)], params, request_id=rid)
+            params = SamplingParams(max_tokens=items[rid].output_tokens, ignore_eos=True)
+            engine.add_request(prompts[rid], params, request_id=rid)
         engine.step()
         plan = engine.last_step.plan
         plans.append([(s.request_id, s.start, s.num_tokens) for s in plan.seqs])
     assert plans == replica.step_log
+    assert engine.scheduler.kv.stats == sim_kv
+
+
+def test_a_cached_prefix_is_not_priced_again():
+    """Two requests share a 64-token prefix (four blocks of 16); the second arrives after the
+    first is done, so its prefill is a chunk of the other 36 tokens after 64 cached ones."""
+    model = ModelSpec.abstract(1e9, 2)
+    cost = CostModel(model, TOY)
+    full = cost.price(BatchShape.abstract([(100, 0)])).predicted_s
+    rest = cost.price(BatchShape.abstract([(100 - 64, 64)])).predicted_s
+    assert rest < full
+    work = [WorkItem("0", 0.0, 100, 3, "sys", 64), WorkItem("1", 1.0, 100, 3, "sys", 64)]
+    for caching, second, hit_rate in ((True, rest, 64 / 200), (False, full, None)):
+        config = SimConfig.create(model, TOY, max_model_len=1024, enable_prefix_caching=caching)
+        for out in (run_colocated(config, work), run_disaggregated(config, work, 1, 1)):
+            r = out["results"]
+            assert r["ttft_ms"]["max"] == pytest.approx(full * 1000, rel=1e-12)
+            assert r["ttft_ms"]["mean"] == pytest.approx((full + second) / 2 * 1000, rel=1e-12)
+            assert r["prefix_cache_hit_rate"] == hit_rate
+            first = out["replicas"][0]
+            assert first["prefix_cache_hits"] == (64 if caching else 0)
+    # A different prefix, or none, shares nothing.
+    config = SimConfig.create(model, TOY, max_model_len=1024)
+    for other in (WorkItem("1", 1.0, 100, 3, "other", 64), WorkItem("1", 1.0, 100, 3)):
+        r = run_colocated(config, [work[0], other])["results"]
+        assert r["ttft_ms"]["mean"] == pytest.approx(full * 1000, rel=1e-12)
+        assert r["prefix_cache_hit_rate"] == 0
+
+
+def test_prefix_flags_reach_the_cache(capsys):
+    args = ["--num-requests", "40", "--request-rate", "100", "--prefix-tokens", "200"]
+    args += ["--num-prefixes", "2"]
+    code, text, _ = run_cli([*args, "--json"], capsys)
+    out = json.loads(text)
+    assert code == 0 and out["settings"]["scheduler"]["enable_prefix_caching"] is True
+    # 256-token prompts: 12 blocks of each 200-token prefix are shared, once computed.
+    assert out["results"]["prefix_cache_hit_rate"] == (40 - 2) * 192 / (40 * 256)
+    code, text, _ = run_cli(args, capsys)
+    assert "Prefix cache hit rate:" in text and "prefix caching on" in text
+    code, text, _ = run_cli([*args, "--json", "--no-enable-prefix-caching"], capsys)
+    out = json.loads(text)
+    assert out["settings"]["scheduler"]["enable_prefix_caching"] is False
+    assert out["results"]["prefix_cache_hit_rate"] is None
 
 
 def test_arrivals_have_the_asked_mean_and_shape():
@@ -201,11 +263,36 @@ def test_lengths_and_traces(tmp_path):
     work = list(synthetic(2000, 10, LengthSpec.parse("5:9"), LengthSpec.parse("3"), seed=2))
     assert {w.prompt_tokens for w in work} == {5, 6, 7, 8, 9}
     assert {w.output_tokens for w in work} == {3}
-    work[3].prefix_id = "system-a"
+    work[3].prefix_id, work[3].prefix_tokens = "system-a", 5
+    work[4].prefix_id, work[4].prefix_tokens = 7, 1
     path = tmp_path / "trace.jsonl"
     write_trace(work, path)
     assert read_trace(path) == work
     assert read_trace(path, limit=10) == work[:10]
+    shared = list(synthetic(6, 10, LengthSpec(9, 9), LengthSpec(3, 3), prefix_tokens=7))
+    assert {(w.prefix_id, w.prefix_tokens) for w in shared} == {(0, 7)}
+    shared = list(
+        synthetic(
+            90, 10, LengthSpec(5, 9), LengthSpec(3, 3), seed=2, prefix_tokens=7, num_prefixes=3
+        )
+    )
+    assert [w.prefix_id for w in shared[:4]] == [0, 1, 2, 0]
+    assert all(w.prefix_tokens == min(7, w.prompt_tokens) for w in shared)
+    assert {w.prefix_tokens for w in shared} == {5, 6, 7}
+    start = '{"arrival_time": 0, "prompt_tokens": 5, "output_tokens": 2'
+    for bad, message in [
+        (', "prefix_id": "a"}', "prefix_id needs prefix_tokens"),
+        (', "prefix_tokens": 3}', "prefix_tokens needs a prefix_id"),
+        (', "prefix_id": "a", "prefix_tokens": 0}', "prefix_tokens must be an integer in [1, "),
+        (', "prefix_id": "a", "prefix_tokens": 6}', "prompt_tokens=5], got 6"),
+        (', "prefix_id": "a", "prefix_tokens": 2.5}', "got 2.5"),
+        (', "prefix_id": "a", "prefix_tokens": true}', "got True"),
+        (', "prefix_id": [1], "prefix_tokens": 2}', "prefix_id must be a string"),
+    ]:
+        path.write_text(start + "}\n" + start + bad + "\n")
+        with pytest.raises(ValueError, match="line 2") as e:
+            read_trace(path)
+        assert message in str(e.value)
     for bad in ("0", "9:5", "a:b", "-3", "4:"):
         with pytest.raises(ValueError):
             LengthSpec.parse(bad)
@@ -259,6 +346,9 @@ def test_capacity_meets_the_slo_and_a_higher_rate_does_not(capsys):
         (["--prompt-tokens", "9000"], "context of 8192"),
         (["--tp", "4", "--model", "SmolLM2-135M"], "does not divide"),
         (["--kv-cache-memory", "1KiB"], "holds no block"),
+        (["--prefix-tokens", "0"], "--prefix-tokens must be at least 1"),
+        (["--prefix-tokens", "9", "--num-prefixes", "0"], "--num-prefixes must be at least 1"),
+        (["--num-prefixes", "2"], "--num-prefixes needs --prefix-tokens"),
     ],
 )
 def test_bad_settings_are_one_line_errors(args, message, capsys):

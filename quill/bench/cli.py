@@ -89,6 +89,13 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens for --dataset random: N, or MIN:MAX uniform (default: 1024)",
     )
     add(
+        "--random-prefix-len",
+        type=argtypes.checked(argtypes.non_negative_int, "random-prefix-len"),
+        default=0,
+        help="for --dataset random: every prompt starts with the same N random tokens (a "
+        "shared system prompt, say), then its --input-len own (default: 0)",
+    )
+    add(
         "--output-len",
         type=argtypes.checked(LengthSpec.parse, "output-len"),
         default=None,

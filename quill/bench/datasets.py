@@ -43,15 +43,27 @@ class DatasetEntry:
 
 
 def random_requests(
-    n: int, input_len: LengthSpec, output_len: LengthSpec, prompts: ExactPrompts, seed: int
+    n: int,
+    input_len: LengthSpec,
+    output_len: LengthSpec,
+    prompts: ExactPrompts,
+    seed: int,
+    prefix_len: int = 0,
 ) -> list[BenchRequest]:
-    """`n` random prompts, each of a length drawn from `input_len` (exactly, in tokens)."""
+    """`n` random prompts, each of a length drawn from `input_len` (exactly, in tokens), after
+    one random prefix of `prefix_len` tokens that they all share (as vLLM's
+    --random-prefix-len: a system prompt, say)."""
     lengths = random.Random(f"quill-bench:{seed}:lengths")
     texts = random.Random(f"quill-bench:{seed}:prompts")
+    prefix = prompts.make(prefix_len, texts) if prefix_len else ""
     out = []
     for _ in range(n):
         prompt_len, reply_len = input_len.draw(lengths), output_len.draw(lengths)
-        out.append(BenchRequest(prompts.make(prompt_len, texts), prompt_len, reply_len))
+        if prefix:
+            text = prompts.make_after(prefix, prefix_len + prompt_len, texts)
+        else:
+            text = prompts.make(prompt_len, texts)
+        out.append(BenchRequest(text, prefix_len + prompt_len, reply_len))
     return out
 
 

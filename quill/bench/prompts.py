@@ -98,5 +98,23 @@ class ExactPrompts:
                     ids = got + self._draw(content - len(got), rng)
         raise ValueError(f"could not make a text of exactly {num_tokens} tokens")
 
+    def make_after(self, prefix: str, num_tokens: int, rng: random.Random) -> str:
+        """`prefix` followed by a random text, the whole `num_tokens` tokens long; the prefix
+        keeps its own tokens (the seam never merges into it), so prompts made after one prefix
+        share its tokens exactly."""
+        prefix_ids = self.tokenizer.encode(prefix).ids
+        more = num_tokens - len(prefix_ids)
+        if more < 1:
+            raise ValueError(
+                f"a prompt of {num_tokens} tokens leaves no room after a prefix of "
+                f"{len(prefix_ids)}"
+            )
+        for _ in range(_DRAWS * _ROUNDS):
+            text = prefix + self.tokenizer.decode(self._draw(more, rng))
+            got = self.tokenizer.encode(text).ids
+            if len(got) == num_tokens and got[: len(prefix_ids)] == prefix_ids:
+                return text
+        raise ValueError(f"could not make a text of exactly {num_tokens} tokens after the prefix")
+
     def _draw(self, count: int, rng: random.Random) -> list[int]:
         return [rng.choice(self.vocab) for _ in range(count)]

@@ -42,7 +42,9 @@ def _requests(args: argparse.Namespace, tokenizer, seed: int) -> list[BenchReque
     if args.dataset == "random":
         prompts = ExactPrompts(tokenizer)
         output_len = args.output_len or DEFAULT_OUTPUT_LEN
-        return random_requests(args.num_prompts, args.input_len, output_len, prompts, seed)
+        return random_requests(
+            args.num_prompts, args.input_len, output_len, prompts, seed, args.random_prefix_len
+        )
     entries = read_dataset(args.dataset)
     return sample_requests(
         entries,
@@ -112,6 +114,7 @@ def bench_serve(args: argparse.Namespace) -> int:
         "max_concurrency": args.max_concurrency,
         "dataset": str(args.dataset),
         "input_len": str(args.input_len) if args.dataset == "random" else None,
+        "random_prefix_len": args.random_prefix_len if args.dataset == "random" else None,
         "output_len": str(args.output_len) if args.output_len else None,
         "ignore_eos": args.ignore_eos,
         "tokenizer": str(args.tokenizer) if args.tokenizer else "default model's",

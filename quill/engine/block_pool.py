@@ -1,12 +1,18 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks and per-request block tables.
+"""The paged KV cache's blocks: reference counts, the free list, and the cache of full blocks.
 
 Torch-free: it hands out block ids; the model runner owns the tensors the ids index.
-Blocks carry reference counts so that prefix sharing can later map one block into several tables.
+
+A block whose count falls to 0 is free, but if it holds a full block of known content (its hash
+is registered) it keeps that content until the pool needs a fresh block: a later request with
+the same prefix takes it back instead of computing it again. Free blocks wait in one queue,
+least recently used first; a block without cached content goes to the front, since nothing is
+lost by reusing it. Only a free block is ever evicted, so a block in some table keeps its
+content.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -21,7 +27,12 @@ class BlockPool:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # The hash of the full block a block holds, when it is registered in `cached`.
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # content hash -> the block that holds it
+        # Free blocks in eviction order (an OrderedDict pops and unlinks from the middle in O(1)).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -29,69 +40,65 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
+        """Share of the pool in some table (free blocks that keep cached content count as
+        free: they are handed out on demand)."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    def is_free(self, block: int) -> bool:
+        return block in self._free
+
     def allocate(self, n: int) -> list[int]:
+        """`n` fresh blocks; a block taken from the cache loses its cached content."""
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
             self.ref_counts[b] = 1
+            if self.block_hashes[b] is not None:
+                self._uncache(b)
+                self.num_evictions += 1
         return blocks
 
-    def incref(self, blocks: list[int]) -> None:
+    def take(self, blocks: list[int]) -> None:
+        """Add a reference to each block (cached ones found for a prefix, which may be free)."""
         for b in blocks:
-            if self.ref_counts[b] <= 0:
-                raise ValueError(f"block {b} is free and cannot be shared")
+            if self.ref_counts[b] == 0:
+                if self.block_hashes[b] is None:
+                    raise ValueError(f"block {b} is free and holds nothing to share")
+                del self._free[b]
             self.ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        # Release in reverse so that a request's tail blocks are reused first.
+        # Release in reverse so that a request's tail blocks are evicted before its head:
+        # the head is the part other requests are likely to share.
         for b in reversed(blocks):
             if self.ref_counts[b] <= 0:
                 raise ValueError(f"block {b} freed twice")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+                if self.block_hashes[b] is None:
+                    self._free.move_to_end(b, last=False)
 
+    # -- the cache of full blocks ---------------------------------------------------------
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
 
-class KVCacheManager:
-    """Maps requests to block tables over a BlockPool."""
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Register `block` as holding the full block `block_hash` (its KV is computed, or is
+        computed by the step about to run). A second copy of known content stays unregistered."""
+        if block_hash not in self.cached and self.block_hashes[block] is None:
+            self.cached[block_hash] = block
+            self.block_hashes[block] = block_hash
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+    def uncache(self, blocks: list[int]) -> None:
+        """Forget what these blocks hold (their KV may be wrong: the step that wrote it failed)."""
+        for b in blocks:
+            if self.block_hashes[b] is not None:
+                self._uncache(b)
+                if self.ref_counts[b] == 0:
+                    self._free.move_to_end(b, last=False)
 
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.pool.num_blocks
-
-    def allocate_slots(self, request_id: str, num_tokens_total: int) -> bool:
-        """Grow the request's table to hold `num_tokens_total` tokens; False if blocks run out."""
-        table = self.block_tables.setdefault(request_id, [])
-        needed = self.blocks_for(num_tokens_total) - len(table)
-        if needed <= 0:
-            return True
-        if needed > self.pool.num_free_blocks:
-            return False
-        table.extend(self.pool.allocate(needed))
-        return True
-
-    def free(self, request_id: str) -> None:
-        table = self.block_tables.pop(request_id, None)
-        if table:
-            self.pool.free(table)
-
-    def block_table(self, request_id: str) -> list[int]:
-        return self.block_tables.get(request_id, [])
+    def _uncache(self, block: int) -> None:
+        del self.cached[self.block_hashes[block]]
+        self.block_hashes[block] = None

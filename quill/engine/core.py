@@ -16,6 +16,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
 from quill.engine.plan import Executor, SeqPlan, StepPlan, StepResult
 from quill.engine.request import Request
@@ -58,13 +59,23 @@ class EngineCore:
     """Continuous batching around one executor; see the scheduler for the policy."""
 
     def __init__(
-        self, scheduler: Scheduler, executor: Executor, clock=None, step_listeners=()
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        clock=None,
+        step_listeners=(),
+        admission: AdmissionControl | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.clock = clock or WallClock()
         # Told of every step run, after it ran: `.on_step(plan, start, end)` (recorders, costs).
         self.step_listeners = list(step_listeners)
+        # Predicts each request's TTFT as it is added (and refuses it past an SLO).
+        self.admission = admission
+        self._queue_state = QueueState()
+        if admission is not None:
+            self.step_listeners.append(admission)
         self._pending: deque[tuple[str, object]] = deque()
         self._lock = threading.Lock()
         self._live_ids: set[str] = set()
@@ -100,17 +111,17 @@ class EngineCore:
         return params.max_tokens
 
     def add_request(self, request: Request) -> None:
-        """Validate and queue a request for the next step; raises InvalidRequestError."""
+        """Validate and queue a request for the next step; raises InvalidRequestError, or
+        OverloadedError when admission control predicts it would start past its SLO."""
+        self.scheduler.check_request(request)
         kv = self.scheduler.kv
-        if not kv.can_ever_fit(request.num_prompt_tokens + 1):
-            raise InvalidRequestError(
-                f"prompt of {request.num_prompt_tokens} tokens can never fit in the KV cache "
-                f"({kv.num_blocks * kv.block_size} tokens)",
-                param="prompt",
-            )
         with self._lock:
             if request.request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            if self.admission is not None:
+                pending = [item for kind, item in self._pending if kind == "add"]
+                num_cached = len(kv.find_cached_prefix(request)) * kv.block_size
+                self.admission.admit(request, num_cached, self._queue_state, pending)
             self._live_ids.add(request.request_id)
             self._pending.append(("add", request))
 
@@ -206,6 +217,8 @@ class EngineCore:
         )
         for listener in self.step_listeners:
             listener.on_step(ran, start, end)
+        if self.admission is not None:
+            self._queue_state = self.admission.snapshot(self.scheduler)
         return out
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, StepPlan | None, dict[str, str]]:

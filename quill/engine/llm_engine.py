@@ -9,13 +9,14 @@ loop): they validate at once, so bad input fails in the caller. `step` runs in o
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 
 from quill.config import EngineConfig
-from quill.engine.block_pool import KVCacheManager
 from quill.engine.core import CoreOutput, EngineCore, StepStats
 from quill.engine.detokenizer import IncrementalDetokenizer
+from quill.engine.kv_cache import KVCacheManager
 from quill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler
@@ -49,15 +50,29 @@ class LLMEngine:
         self.model_path = built.model_path
         self.device, self.dtype = built.device, built.dtype
         self.max_model_len = built.max_model_len
-        kv = KVCacheManager(built.num_blocks, config.block_size)
-        scheduler = Scheduler(kv, built.token_budget, config.max_num_seqs, self.max_model_len)
+        kv = KVCacheManager(built.num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler = Scheduler(
+            kv,
+            built.token_budget,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.scheduling_policy,
+            config.priority_aging,
+        )
         self.accountant = _make_accountant(config, built)
         listeners = [self.accountant]
         if config.record_steps:
             from quill.engine.record import StepRecorder
 
             listeners.append(StepRecorder(config.record_steps))
-        self.core = EngineCore(scheduler, self.runner, clock, listeners)
+        admission = _make_admission(config, self.accountant, built.token_budget)
+        self.core = EngineCore(scheduler, self.runner, clock, listeners, admission)
+        log.info(
+            "prefix caching: %s; scheduling policy: %s%s",
+            "on" if config.enable_prefix_caching else "off",
+            config.scheduling_policy,
+            f"; TTFT SLO {config.max_ttft_slo * 1000:g} ms" if config.max_ttft_slo else "",
+        )
         self.clock = self.core.clock
         self._tracked: dict[str, _Tracked] = {}
         self._end_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -77,22 +92,28 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        ttft_slo: float | None = None,
     ) -> str:
-        """Validate and queue a request for the next step; raises InvalidRequestError."""
+        """Validate and queue a request for the next step; raises InvalidRequestError, or
+        OverloadedError when its predicted time to first token exceeds its SLO (`ttft_slo`
+        seconds, or the engine's `max_ttft_slo`)."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+        if ttft_slo is not None and not (ttft_slo > 0 and math.isfinite(ttft_slo)):
+            raise InvalidRequestError(
+                f"ttft_slo must be positive seconds, got {ttft_slo}", "ttft_slo"
+            )
         if isinstance(prompt, str):
             text = prompt
             token_ids = self.tokenizer.encode(prompt) if prompt else []
         else:
             text = None
             token_ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
-                )
+            self.check_token_ids(token_ids)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -101,9 +122,21 @@ class LLMEngine:
             max_tokens=self.core.resolve_max_tokens(len(token_ids), params),
             eos_token_ids=self._end_ids,
             prompt=text,
+            priority=priority,
+            cache_salt=cache_salt,
+            ttft_slo=ttft_slo,
         )
         self.core.add_request(request)
         return request_id
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """Raise InvalidRequestError unless every id is in the vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_request(request_id)
@@ -204,6 +237,22 @@ def _text_includes_last_token(request: Request) -> bool:
     (it stays in token_ids), unless include_stop_str_in_output; as in vLLM."""
     ended_by_token = request.finish_reason == "stop" and not isinstance(request.stop_reason, str)
     return not ended_by_token or request.sampling_params.include_stop_str_in_output
+
+
+def _make_admission(config: EngineConfig, accountant, token_budget: int):
+    """Predicts every request's TTFT (and refuses those past an SLO): priced by the cost model
+    when this machine has a hardware spec, else by a line fit to the measured steps."""
+    from quill.engine.admission import AdmissionControl, CostModelStepTimer, MeasuredStepTimer
+
+    cost_model = accountant.cost_model
+    timer = CostModelStepTimer(cost_model) if cost_model is not None else MeasuredStepTimer()
+    return AdmissionControl(
+        config.max_ttft_slo,
+        timer,
+        token_budget,
+        config.scheduling_policy,
+        config.priority_aging,
+    )
 
 
 def _make_accountant(config: EngineConfig, built):

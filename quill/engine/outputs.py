@@ -25,6 +25,9 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    num_cached_tokens: int | None  # prompt tokens read from the prefix cache (None: not admitted)
+    # What admission control predicted for time_to_first_token when the request arrived.
+    predicted_time_to_first_token: float | None
     # The request's share of what its steps cost (see quill.cost.live): its own FLOPs, its KV
     # traffic plus an even share of each weight read it shared; dollars with a price per hour.
     flops: float | None = None
@@ -51,6 +54,8 @@ class RequestMetrics:
             num_prompt_tokens=request.num_prompt_tokens,
             num_generation_tokens=request.num_output_tokens,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
+            predicted_time_to_first_token=request.predicted_ttft,
             flops=cost.flops if cost else None,
             bytes_moved=cost.bytes_moved if cost else None,
             cost_usd=cost.cost_usd if cost else None,

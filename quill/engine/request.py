@@ -66,6 +66,12 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None  # why, when finish_reason is "error"
     times: RequestTimes = None  # type: ignore[assignment]
+    priority: int = 0  # lower is served first (under the priority policy)
+    cache_salt: str | None = None  # requests share cached blocks only with the same salt
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, so far
+    num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
+    ttft_slo: float | None = None  # seconds: refuse at once if the first token would be later
+    predicted_ttft: float | None = None  # the admission check's prediction, in seconds
 
     def __post_init__(self) -> None:
         if self.times is None:

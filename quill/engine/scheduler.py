@@ -2,17 +2,19 @@
 
 Every step is one pass over the model under a token budget. Running requests go first (a decode
 costs one token), then waiting prompts fill what is left in chunks, so a long prompt never holds
-the running streams for more than one budget's worth of work. When the KV pool runs dry the most
-recently admitted request is preempted: its blocks are freed and it is recomputed later.
+the running streams for more than one budget's worth of work. A request admitted with a cached
+prefix starts past it. When the KV pool runs dry the last request of the running list (the
+policy orders it, see `request_queue`) is preempted: its blocks are freed, their cached content
+stays, and it is recomputed later from whatever of it is still cached.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
-from quill.engine.block_pool import KVCacheManager
+from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request, RequestStatus
+from quill.engine.request_queue import DEFAULT_PRIORITY_AGING, add_running, make_waiting_queue
 from quill.errors import InvalidRequestError
 
 
@@ -47,7 +49,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Continuous batching with chunked prefill, FCFS admission and recompute preemption."""
+    """Continuous batching with chunked prefill, prefix caching, FCFS or priority admission
+    and recompute preemption."""
 
     def __init__(
         self,
@@ -55,28 +58,41 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        policy: str = "fcfs",
+        priority_aging: float = DEFAULT_PRIORITY_AGING,
     ) -> None:
         self.kv = kv
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting = make_waiting_queue(policy, priority_aging)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # -- requests in and out -------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+    def check_request(self, request: Request) -> None:
+        """Raise InvalidRequestError if the request can never be served here."""
         if not self.kv.can_ever_fit(request.num_prompt_tokens + 1):
             raise InvalidRequestError(
                 f"prompt of {request.num_prompt_tokens} tokens can never fit in the KV cache "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)",
+                f"({self.kv.num_blocks * self.kv.block_size} tokens)",
                 param="prompt",
             )
+        if request.priority != 0 and self.policy != "priority":
+            raise InvalidRequestError(
+                f"priority {request.priority} needs the priority scheduling policy "
+                "(--scheduling-policy priority)",
+                param="priority",
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.check_request(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def finish_request(self, request_id: str, reason: str, stop_reason=None) -> Request | None:
         request = self.requests.pop(request_id, None)
@@ -86,7 +102,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv.free(request_id)
+        self.kv.free(request_id, uncache=reason == "error")
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -111,8 +127,10 @@ class Scheduler:
         scheduled = out.scheduled
         # This loop runs once per running request per step (millions of times in a simulation),
         # so it reads the request's lists directly rather than through its properties.
-        tables = self.kv.block_tables
-        block_size = self.kv.block_size
+        kv = self.kv
+        tables = kv.block_tables
+        block_size = kv.block_size
+        caching = kv.enable_prefix_caching
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -126,6 +144,8 @@ class Scheduler:
             if table is None or len(table) * block_size < start + n:
                 if not self._grow_or_preempt(request, n, out):
                     continue  # request was preempted or finished; running[i] is the next one
+            if caching and (start + n) % block_size < n:  # a block fills up in this step
+                kv.cache_blocks(request, start + n)
             scheduled.append(ScheduledRequest(request, n, start, start + n == total))
             budget -= n
             i += 1
@@ -137,22 +157,33 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.max_num_seqs
         ):
-            request = self.waiting[0]
-            n = min(request.num_tokens_to_compute, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            request = self.waiting.peek()
+            # Nothing is computed yet (preempted requests too), unless the request's KV came
+            # from elsewhere (a prefill replica): then there is nothing to look up.
+            computed = request.num_computed_tokens
+            cached = [] if computed else kv.find_cached_prefix(request)
+            num_cached = len(cached) * block_size
+            computed += num_cached
+            n = min(request.num_tokens - computed, budget)
+            if not kv.allocate_slots(request, computed + n, cached):
                 break
-            self.waiting.popleft()
-            self.running.append(request)
+            self.waiting.pop()
+            add_running(self.running, request, self.policy)
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = computed
+            if caching and computed == num_cached:  # it was looked up (not moved in)
+                kv.record_lookup(request.num_tokens, num_cached)
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
+                request.num_cached_tokens = num_cached
+            kv.cache_blocks(request, computed + n)
             scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
         return out
 
     def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         needed = request.num_computed_tokens + n
-        while not self.kv.allocate_slots(request.request_id, needed):
+        while not self.kv.allocate_slots(request, needed):
             if len(self.running) == 1:
                 # Alone and still out of blocks: the pool cannot hold this sequence any longer.
                 self.finish_request(request.request_id, "length")
@@ -172,7 +203,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_preempted(request)
 
     def update(
         self, out: SchedulerOutput, sampled: dict[str, int], now: float = 0.0

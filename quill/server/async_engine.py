@@ -95,8 +95,11 @@ class AsyncEngine:
         arrival_time: float,
         queue: asyncio.Queue,
         index: int,
+        **scheduling,
     ) -> None:
-        """Queue a request for the next step; raises InvalidRequestError for bad input.
+        """Queue a request for the next step; raises InvalidRequestError for bad input, or
+        OverloadedError when it would start past its TTFT SLO. `scheduling`: the engine's
+        add_request keywords (priority, cache_salt, ttft_slo).
 
         Takes token ids: tokenizing is the caller's job, in a worker thread.
         """
@@ -107,7 +110,7 @@ class AsyncEngine:
         # Registered first: the engine thread may finish a step with it before add returns.
         self._sinks[request_id] = _Sink(queue, index)
         try:
-            self.engine.add_request(prompt, params, request_id, arrival_time)
+            self.engine.add_request(prompt, params, request_id, arrival_time, **scheduling)
         except BaseException:
             del self._sinks[request_id]
             raise
@@ -181,6 +184,7 @@ class AsyncEngine:
                 sched.kv.usage,
                 priced,
                 accountant.utilization(priced) if priced is not None else None,
+                (sched.kv.stats.queries, sched.kv.stats.hits),
             )
         if outputs:
             self._post(self._deliver, outputs)

@@ -39,6 +39,9 @@ async def create_completion(
     special = req.add_special_tokens is not False
 
     def encode() -> tuple[list[list[int]], list[str]]:
+        for p in prompts:
+            if not isinstance(p, str):  # before decoding it for echo
+                ctx.engine.engine.check_token_ids(p)
         ids = [tok.encode(p, special) if isinstance(p, str) else list(p) for p in prompts]
         ids = [req.truncate(i, ctx.max_model_len) for i in ids]
         texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts]
@@ -48,7 +51,7 @@ async def create_completion(
     n = req.num_choices
     params = [req.sampling_params(_DEFAULT_MAX_TOKENS, req.logprobs, j) for j in range(n)]
     gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", arrival_time)
-    gen.submit(token_prompts, params)
+    gen.submit(token_prompts, params, req.scheduling())
     fmt = _Formatter(gen, model, tok, [echoes[i // n] for i in range(gen.num_choices)])
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)

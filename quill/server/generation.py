@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from quill.engine.admission import OverloadedError
 from quill.engine.outputs import RequestMetrics, RequestOutput
 from quill.engine.tokenizer import Tokenizer
 from quill.sampling_params import SamplingParams
@@ -40,9 +42,16 @@ class Generation:
         self.prompt_lens: list[int] = []
         self.finished: dict[int, RequestOutput] = {}
         self.num_generated: dict[int, int] = {}  # tokens so far, per choice
+        self.num_cached: dict[int, int] = {}  # prompt tokens found in the prefix cache, per choice
 
-    def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams]) -> None:
-        """Add len(prompts) * len(params) engine requests; all or none (InvalidRequestError)."""
+    def submit(
+        self,
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+        scheduling: dict | None = None,
+    ) -> None:
+        """Add len(prompts) * len(params) engine requests; all or none (InvalidRequestError).
+        `scheduling`: priority, cache_salt and ttft_slo, as the engine's add_request takes them."""
         # A request that can never be served is a 400 whatever the load: validated before the
         # queue is asked for room.
         core = self.ctx.engine.engine.core
@@ -56,11 +65,29 @@ class Generation:
                 for p in params:
                     index = len(self.engine_ids)
                     engine_id = f"{self.request_id}-{index}"
-                    self.ctx.engine.add(prompt, p, engine_id, self.arrival_time, self.queue, index)
+                    self.ctx.engine.add(
+                        prompt,
+                        p,
+                        engine_id,
+                        self.arrival_time,
+                        self.queue,
+                        index,
+                        **(scheduling or {}),
+                    )
                     self.engine_ids.append(engine_id)
         except EngineFailure as e:
             self.abort()
             raise APIError(503, str(e), "server_error", headers={"Retry-After": "1"}) from e
+        except OverloadedError as e:
+            self.abort()
+            self.ctx.metrics.refused_for_slo.inc()
+            raise APIError(
+                503,
+                e.message,
+                "server_error",
+                code="overloaded",
+                headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))},
+            ) from e
         except BaseException:
             self.abort()
             raise
@@ -82,6 +109,8 @@ class Generation:
             if out.outputs[0].finish_reason == "error":
                 raise EngineFailure(out.error or "the engine failed this request")
             self.num_generated[index] = len(out.outputs[0].token_ids)
+            if out.metrics.num_cached_tokens is not None:
+                self.num_cached[index] = out.metrics.num_cached_tokens
             if out.finished:
                 self.finished[index] = out
             yield index, out
@@ -99,10 +128,26 @@ class Generation:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens()},
         }
 
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache. Each prompt counts once in
+        `prompt_tokens`, so it counts its least-cached choice here (with `n` > 1 the other
+        choices share the first one's blocks, and that saving shows in the step metrics)."""
+        n = self.num_choices // max(len(self.prompt_lens), 1)
+        total = 0
+        for p in range(len(self.prompt_lens)):
+            found = [self.num_cached.get(i, 0) for i in range(p * n, (p + 1) * n)]
+            total += min(found, default=0)
+        return total
+
     def timings(self) -> dict:
-        return request_timings([o.metrics for o in self.finished.values()], sum(self.prompt_lens))
+        timings = request_timings(
+            [o.metrics for o in self.finished.values()], sum(self.prompt_lens)
+        )
+        timings["num_cached_tokens"] = self.cached_tokens()
+        return timings
 
 
 def request_timings(metrics: list[RequestMetrics], num_prompt_tokens: int) -> dict:
@@ -119,6 +164,7 @@ def request_timings(metrics: list[RequestMetrics], num_prompt_tokens: int) -> di
 
     queue = pick(min, [m.queue_time for m in metrics])
     ttft = pick(min, [m.time_to_first_token for m in metrics])
+    predicted_ttft = pick(min, [m.predicted_time_to_first_token for m in metrics])
     e2e = pick(max, [m.e2e_latency for m in metrics])
     gaps = [
         (m.mean_inter_token_latency, m.num_generation_tokens - 1)
@@ -129,6 +175,7 @@ def request_timings(metrics: list[RequestMetrics], num_prompt_tokens: int) -> di
     return {
         "queue_time": queue,
         "time_to_first_token": ttft,
+        "predicted_time_to_first_token": predicted_ttft,
         "mean_inter_token_latency": sum(v * k for v, k in gaps) / count if count else None,
         "max_inter_token_latency": pick(max, [m.max_inter_token_latency for m in metrics]),
         "prefill_time": None if ttft is None or queue is None else ttft - queue,

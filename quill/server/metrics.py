@@ -137,6 +137,38 @@ class ServerMetrics:
                 registry=r,
             )
         )
+        self.prefix_cache_queries = one(
+            Counter(
+                "quill:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (at each admission).",
+                labels,
+                registry=r,
+            )
+        )
+        self.prefix_cache_hits = one(
+            Counter(
+                "quill:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (not computed again).",
+                labels,
+                registry=r,
+            )
+        )
+        self.refused_for_slo = one(
+            Counter(
+                "quill:num_requests_refused_slo",
+                "Requests refused at arrival: predicted time to first token over the SLO.",
+                labels,
+                registry=r,
+            )
+        )
+        self.predicted_ttft = one(
+            hist(
+                "predicted_time_to_first_token_seconds",
+                "Admission control's prediction of each finished request's time to first token.",
+                _LATENCY_BUCKETS,
+            )
+        )
+        self._prefix_seen = (0, 0)  # the engine's running totals already counted
         self._success = Counter(
             "quill:request_success",
             "Finished requests by finish reason.",
@@ -156,9 +188,15 @@ class ServerMetrics:
         kv_usage: float,
         priced=None,
         utilization: tuple[float, float] | None = None,
+        prefix_cache: tuple[int, int] = (0, 0),
     ) -> None:
         """Record one step. `num_batched_tokens` is None when the step ran no model pass;
-        `priced` (a quill.cost.live.PricedStep) is given when the step was priced."""
+        `priced` (a quill.cost.live.PricedStep) is given when the step was priced;
+        `prefix_cache` is the engine's (queries, hits) so far, in tokens."""
+        if prefix_cache != self._prefix_seen:
+            self.prefix_cache_queries.inc(prefix_cache[0] - self._prefix_seen[0])
+            self.prefix_cache_hits.inc(prefix_cache[1] - self._prefix_seen[1])
+            self._prefix_seen = prefix_cache
         if num_batched_tokens is not None:
             self.iteration_tokens.observe(num_batched_tokens)
         if priced is not None:
@@ -195,6 +233,7 @@ class ServerMetrics:
             (self.queue, m.queue_time),
             (self.prefill, m.prefill_time),
             (self.decode, m.decode_time),
+            (self.predicted_ttft, m.predicted_time_to_first_token),
         ):
             if value is not None:
                 hist.observe(value)

@@ -125,6 +125,12 @@ class _SamplingRequest(_Lenient):
     spaces_between_special_tokens: bool | None = True
     # Keep only the last k prompt tokens (vLLM); -1 keeps what fits the model's context.
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    # Scheduling (vLLM's extensions): a lower priority is served first under
+    # --scheduling-policy priority; requests share cached prefixes only with the same cache_salt.
+    priority: Int64 | None = 0
+    cache_salt: str | None = Field(None, min_length=1)
+    # quill's: refuse at once (503) a request whose first token is predicted later than this.
+    ttft_slo_ms: float | None = Field(None, gt=0)
     # Accepted and ignored, as they change nothing about what is generated.
     user: str | None = None
     store: bool | None = None
@@ -155,6 +161,14 @@ class _SamplingRequest(_Lenient):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def scheduling(self) -> dict:
+        """The engine's add_request arguments besides the prompt and the sampling params."""
+        return {
+            "priority": self.priority or 0,
+            "cache_salt": self.cache_salt,
+            "ttft_slo": None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1000,
+        }
 
     def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as the engine gets it: its last truncate_prompt_tokens tokens, if asked."""

@@ -42,9 +42,18 @@ modes:
   --disaggregate P:D  P prefill + D decode replicas against P+D colocated ones, side by side
 
 trace format (--trace): JSONL, one request per line, e.g.
-  {"arrival_time": 0.25, "prompt_tokens": 512, "output_tokens": 64, "prefix_id": "sys-a"}
-  arrival_time is in seconds; prefix_id (optional) names a shared prompt prefix. It is carried
-  for prefix caching, which is not simulated yet: it has no effect on the results.
+  {"arrival_time": 0.25, "prompt_tokens": 512, "output_tokens": 64}
+  {"arrival_time": 0.5, "prompt_tokens": 900, "output_tokens": 32, "prefix_id": "sys-a",
+   "prefix_tokens": 400}
+  arrival_time is in seconds. prefix_id and prefix_tokens (optional, together) say that the
+  prompt starts with the first prefix_tokens tokens (1 to prompt_tokens) of a text shared by
+  every request of that prefix_id; the rest of each prompt is its own. With prefix caching on
+  (the default, as in `quill serve`), a request computes only what is not cached yet.
+
+prefix caching: --prefix-tokens N gives synthetic request i the prefix i mod --num-prefixes
+(default 1) of min(N, its prompt) tokens. Only full blocks (--block-size) are shared, and at
+least the prompt's last token is computed. Results show the share of tokens looked up that
+were found cached (--no-enable-prefix-caching to compare).
 
 goodput counts requests served in full whose TTFT, mean inter-token latency (their time per
 output token) and end-to-end latency are within the SLO given. ITL percentiles are over every
@@ -124,6 +133,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=argtypes.checked(LengthSpec.parse, "output tokens"),
         default=LengthSpec(128, 128),
         help="N or MIN:MAX (uniform)",
+    )
+    work.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each prompt's first N tokens are shared with other requests (see below)",
+    )
+    work.add_argument(
+        "--num-prefixes",
+        type=int,
+        default=None,
+        metavar="K",
+        help="distinct shared prefixes, used in turn (default 1; needs --prefix-tokens)",
     )
     work.add_argument(
         "--trace",
@@ -246,6 +269,14 @@ def _setup(args: argparse.Namespace):
         raise ValueError("--capacity needs --slo with ttft and itl, e.g. --slo ttft=500,itl=50")
     if args.capacity and args.trace:
         raise ValueError("--capacity scales a synthetic workload's rate; it cannot use --trace")
+    if args.prefix_tokens is not None and args.prefix_tokens < 1:
+        raise ValueError(f"--prefix-tokens must be at least 1, got {args.prefix_tokens}")
+    if args.num_prefixes is not None and args.num_prefixes < 1:
+        raise ValueError(f"--num-prefixes must be at least 1, got {args.num_prefixes}")
+    if args.num_prefixes is not None and args.prefix_tokens is None:
+        raise ValueError("--num-prefixes needs --prefix-tokens")
+    if args.trace and args.prefix_tokens is not None:
+        raise ValueError("--prefix-tokens is for a synthetic workload; a trace names its prefixes")
     if args.capacity_tolerance >= 1:
         raise ValueError(f"--capacity-tolerance must be below 1, got {args.capacity_tolerance}")
     bytes_per_param = None if args.dtype == "auto" else bytes_per_element(args.dtype)
@@ -263,6 +294,7 @@ def _setup(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         context_len=model_context_len(args.model, model),
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     if args.trace:
         items = read_trace(args.trace, args.num_requests, check=config.check_request)
@@ -279,9 +311,19 @@ def _setup(args: argparse.Namespace):
         if reason is not None:
             raise ValueError(f"--prompt-tokens/--output-tokens: {reason}")
 
+        prefix_tokens = args.prefix_tokens or 0
+        num_prefixes = args.num_prefixes or 1
+
         def workload(rate=args.request_rate, num=num):
             return synthetic(
-                num, rate, args.prompt_tokens, args.output_tokens, args.burstiness, args.seed
+                num,
+                rate,
+                args.prompt_tokens,
+                args.output_tokens,
+                args.burstiness,
+                args.seed,
+                prefix_tokens=prefix_tokens,
+                num_prefixes=num_prefixes,
             )
 
         workload_settings = {
@@ -292,6 +334,8 @@ def _setup(args: argparse.Namespace):
             "prompt_tokens": str(args.prompt_tokens),
             "output_tokens": str(args.output_tokens),
             "seed": args.seed,
+            "prefix_tokens": args.prefix_tokens,
+            "num_prefixes": num_prefixes if args.prefix_tokens else None,
         }
     settings = {
         "mode": "capacity" if args.capacity else "disaggregate" if args.disaggregate else "run",

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from quill.engine.request import Request, RequestTimes
 from quill.sim.config import SimConfig
 from quill.sim.metrics import SLO, Distribution, MetricsSink
-from quill.sim.replica import Replica
+from quill.sim.replica import PromptTokens, Replica
 from quill.sim.workload import WorkItem
 
 ROUTERS = ("least-work", "round-robin")
@@ -85,7 +85,11 @@ def run_colocated(
 ) -> dict:
     """Every replica prefills and decodes its own requests (what `quill serve` does)."""
     sink = MetricsSink(slo)
-    replicas = [Replica(config, sink, f"replica {i}", record=record) for i in range(num_replicas)]
+    tokens = PromptTokens()
+    replicas = [
+        Replica(config, sink, f"replica {i}", record=record, tokens=tokens)
+        for i in range(num_replicas)
+    ]
     route = Router(router, replicas)
     arrivals = iter(workload)
     item = next(arrivals, None)
@@ -139,8 +143,12 @@ def run_disaggregated(
     link_rate = hardware.interconnect_bandwidth * config.cost.tp
     kv_per_token = config.cost.model.kv_bytes_per_token
     sink = MetricsSink(slo)
-    prefill = [Replica(config, sink, f"prefill {i}", output_cap=1) for i in range(num_prefill)]
-    decode = [Replica(config, sink, f"decode {i}") for i in range(num_decode)]
+    tokens = PromptTokens()
+    prefill = [
+        Replica(config, sink, f"prefill {i}", output_cap=1, tokens=tokens)
+        for i in range(num_prefill)
+    ]
+    decode = [Replica(config, sink, f"decode {i}", tokens=tokens) for i in range(num_decode)]
     replicas = prefill + decode
     prefill_route, decode_route = Router(router, prefill), Router(router, decode)
     link_free = {id(r): 0.0 for r in prefill}
@@ -200,7 +208,7 @@ def run_disaggregated(
                     sink.record(request)
             if done_count and progress is not None:
                 progress(done_count)
-    out = _summary(sink, replicas)
+    out = _summary(sink, replicas, prefill)
     out["kv_transfer_ms"] = transfer_s.summary(1000.0)
     out["kv_transfer_wait_ms"] = transfer_wait_s.summary(1000.0)
     return out
@@ -228,6 +236,18 @@ def _moved(request: Request, target: Replica, out: int) -> Request:
     )
 
 
-def _summary(sink: MetricsSink, replicas: list[Replica]) -> dict:
+def _summary(
+    sink: MetricsSink, replicas: list[Replica], lookups: list[Replica] | None = None
+) -> dict:
+    """The run's results and each replica's stats. The prefix cache hit rate is over the
+    lookups of the replicas that take arrivals (`lookups`, default all): a decode replica
+    counts every request moved in with its KV as a lookup that missed."""
     duration = sink.duration
-    return {"results": sink.results(), "replicas": [r.stats(duration) for r in replicas]}
+    stats = [r.stats(duration) for r in replicas]
+    results = sink.results()
+    mine = {id(r) for r in (replicas if lookups is None else lookups)}
+    counted = [s for r, s in zip(replicas, stats) if id(r) in mine]
+    queries = sum(s["prefix_cache_queries"] for s in counted)
+    hits = sum(s["prefix_cache_hits"] for s in counted)
+    results["prefix_cache_hit_rate"] = hits / queries if queries else None
+    return {"results": results, "replicas": stats}

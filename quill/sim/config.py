@@ -32,6 +32,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
+    enable_prefix_caching: bool = True  # as `quill serve`: reuse cached full prompt blocks
 
     @classmethod
     def create(
@@ -46,6 +47,7 @@ class SimConfig:
         max_model_len: int | None = None,
         kv_cache_memory: int | None = None,
         context_len: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> SimConfig:
         """Raises ValueError on anything impossible. `kv_cache_memory` is bytes per device;
         without it the pool is what is left of 90% of the memory after the weights. Like the
@@ -88,6 +90,7 @@ class SimConfig:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or 8192,
             block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
     @property
@@ -116,6 +119,7 @@ class SimConfig:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching,
             "max_model_len": self.max_model_len,
             "num_kv_blocks": self.num_blocks,
             "kv_cache_tokens": self.kv_tokens,

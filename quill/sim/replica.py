@@ -4,6 +4,8 @@ Nothing about scheduling is re-implemented here. `SimExecutor` receives the core
 advances a virtual clock by the cost model's price of each and hands back a token for every
 sequence that samples, so the core's decisions, preemptions and timestamps are the engine's
 own. A replica owns its clock; the event loops in `quill.sim.cluster` keep several in step.
+Prompts are made of token ids that share blocks exactly where the workload's prompts share a
+prefix (`PromptTokens`), so the scheduler's prefix cache hits where a real server's would.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from collections import deque
 
 from quill.cost.batch import BatchShape
 from quill.cost.step import CostModel
-from quill.engine.block_pool import KVCacheManager
 from quill.engine.clock import VirtualClock
 from quill.engine.core import EngineCore
+from quill.engine.kv_cache import KVCacheManager
 from quill.engine.plan import StepPlan, StepResult
 from quill.engine.request import Request, RequestTimes
 from quill.engine.scheduler import Scheduler
@@ -24,6 +26,35 @@ from quill.sim.metrics import MetricsSink
 from quill.sim.workload import WorkItem
 
 SAMPLED_TOKEN = 0  # any valid id: requests ignore EOS and have no stop tokens
+
+
+class PromptTokens:
+    """Makes a work item's prompt token ids, so that the prefix cache hits exactly where the
+    workload says prompts share and nowhere else.
+
+    A prompt's first `prefix_tokens` tokens are one value per prefix_id (1, 2, ... in order of
+    first use) and the rest a value of the request's own (-1, -2, ...); a prompt without a
+    prefix_id is all its own value. Block hashes chain over every earlier token, so two prompts
+    have equal blocks only within their shared prefix. No value is SAMPLED_TOKEN: replies only
+    match where the prompts before them are equal. One instance serves every replica of a run,
+    so the values mean the same on all of them (a request moves from a prefill replica to a
+    decode one with its token ids). Costs a list multiplication per request.
+    """
+
+    def __init__(self) -> None:
+        self.prefixes: dict[str | int, int] = {}
+        self.last_own = 0
+
+    def __call__(self, item: WorkItem) -> list[int]:
+        self.last_own -= 1
+        n = item.prompt_tokens
+        if item.prefix_id is None:
+            return [self.last_own] * n
+        shared = self.prefixes.get(item.prefix_id)
+        if shared is None:
+            shared = self.prefixes[item.prefix_id] = len(self.prefixes) + 1
+        k = min(item.prefix_tokens, n)
+        return [shared] * k + [self.last_own] * (n - k)
 
 
 class SimExecutor:
@@ -59,6 +90,7 @@ class Replica:
     its waiting queue, so anything further back could not have been scheduled anyway; the
     decisions are the same as adding every request on arrival, without holding 100,000 of them.
     `output_cap` limits replies (1 on a prefill replica: it produces only the first token).
+    `tokens` names prompts' tokens; the replicas of one run share it.
     """
 
     def __init__(
@@ -68,6 +100,7 @@ class Replica:
         name: str = "replica 0",
         output_cap: int | None = None,
         record: bool = False,
+        tokens: PromptTokens | None = None,
     ) -> None:
         self.config = config
         self.name = name
@@ -75,7 +108,8 @@ class Replica:
         self.output_cap = output_cap
         self.clock = VirtualClock()
         self.executor = SimExecutor(config.cost, self.clock)
-        kv = KVCacheManager(config.num_blocks, config.block_size)
+        self.tokens = PromptTokens() if tokens is None else tokens
+        kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(
             kv, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
         )
@@ -115,7 +149,7 @@ class Replica:
             out = self.output_cap
         return Request(
             item.request_id,
-            [0] * item.prompt_tokens,
+            self.tokens(item),
             self.params(out),
             item.arrival_time,
             out,
@@ -148,6 +182,7 @@ class Replica:
 
     def stats(self, duration: float) -> dict:
         ex = self.executor
+        kv = self.core.scheduler.kv.stats
         return {
             "name": self.name,
             "steps": ex.num_steps,
@@ -159,4 +194,8 @@ class Replica:
                 (ex.prefill_tokens + ex.decode_tokens) / ex.num_steps if ex.num_steps else None
             ),
             "preemptions": self.core.scheduler.num_preemptions,
+            # Tokens looked up in the prefix cache at each admission (again after a preemption;
+            # a request moved in with its KV counts as a miss), and of them found cached.
+            "prefix_cache_queries": kv.queries,
+            "prefix_cache_hits": kv.hits,
         }

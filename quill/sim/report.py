@@ -21,6 +21,11 @@ def _num(value, digits: int = 2) -> str:
     return f"{value:,.{digits}f}"
 
 
+def _percent(results: dict) -> float | None:
+    rate = results.get("prefix_cache_hit_rate")
+    return None if rate is None else rate * 100
+
+
 def _row(label: str, value) -> str:
     return f"{label + ':':<44}{value:>20}"
 
@@ -32,7 +37,8 @@ def _settings(settings: dict) -> list[str]:
         f"Model       {s['model']} ({settings['dtype']}) on {s['hardware']}, tp {s['tp']}",
         f"Scheduler   max-num-seqs {s['max_num_seqs']}, max-num-batched-tokens "
         f"{s['max_num_batched_tokens']}, block-size {s['block_size']}, "
-        f"max-model-len {s['max_model_len']}",
+        f"max-model-len {s['max_model_len']}, prefix caching "
+        f"{'on' if s.get('enable_prefix_caching') else 'off'}",
         f"KV pool     {s['kv_cache_tokens']:,} tokens ({s['num_kv_blocks']:,} blocks) per replica",
     ]
     if w.get("trace"):
@@ -53,6 +59,12 @@ def _settings(settings: dict) -> list[str]:
             f"Workload    {w['num_requests']:,} requests {pace}, prompt {w['prompt_tokens']}, "
             f"output {w['output_tokens']} tokens, seed {w['seed']}"
         )
+        if w.get("prefix_tokens"):
+            count = w["num_prefixes"]
+            lines.append(
+                f"            prompts start with one of {count} shared prefix"
+                f"{'es' if count > 1 else ''} of {w['prefix_tokens']} tokens (or all the prompt)"
+            )
     if settings.get("slo"):
         slo = settings["slo"]
         parts = [f"{k[:-3]} <= {v:g} ms" for k, v in slo.items() if v is not None]
@@ -77,6 +89,8 @@ def format_run(settings: dict, out: dict) -> str:
     ]
     if r["goodput"] is not None:
         lines.append(_row("Goodput (req/s)", _num(r["goodput"])))
+    if r.get("prefix_cache_hit_rate") is not None:
+        lines.append(_row("Prefix cache hit rate", f"{r['prefix_cache_hit_rate']:.2%}"))
     lines += [
         _row("Preemptions", _num(r["num_preemptions"])),
         _row("Truncated requests (KV pool too small)", _num(r["num_truncated"])),
@@ -123,6 +137,8 @@ def format_comparison(settings: dict, colocated: dict, disaggregated: dict) -> s
     row("KV transfer wait p99 (ms)", lambda x: x.get("kv_transfer_wait_ms", {}).get("p99"), 3)
     row("Preemptions", lambda x: x["results"]["num_preemptions"])
     row("Truncated requests", lambda x: x["results"]["num_truncated"])
+    if colocated["results"].get("prefix_cache_hit_rate") is not None:
+        row("Prefix cache hit rate (%)", lambda x: _percent(x["results"]))
     lines.append("")
     good_c = colocated["results"]["goodput"]
     good_d = disaggregated["results"]["goodput"]

@@ -1,9 +1,10 @@
-"""The requests a simulation serves: when each arrives and how long its prompt and reply are.
+"""The requests a simulation serves: when each arrives, how long its prompt and reply are, and
+which prompts share a leading prefix.
 
-A workload is only numbers (arrival time, prompt length, reply length), never text, so 100,000
-of them are cheap; the simulator turns each into an engine Request only when it arrives. The
-same seed gives the same workload, and arrival times scale with 1/rate, so runs at two rates
-differ only in their pace (the capacity search relies on this).
+A workload is only numbers (arrival time, prompt length, reply length, shared prefix), never
+text, so 100,000 of them are cheap; the simulator turns each into an engine Request only when
+it arrives. The same seed gives the same workload, and arrival times scale with 1/rate, so runs
+at two rates differ only in their pace (the capacity search relies on this).
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ from pathlib import Path
 
 @dataclass(slots=True)
 class WorkItem:
-    """One request of a workload. `prefix_id` names a shared prompt prefix (kept for prefix
-    caching; it changes nothing yet)."""
+    """One request of a workload. Requests with the same `prefix_id` share their first
+    `prefix_tokens` prompt tokens (0 < prefix_tokens <= prompt_tokens; 0 without a prefix_id),
+    so the engine's prefix cache can skip computing them again; the rest of every prompt is
+    its own."""
 
     request_id: str
     arrival_time: float
     prompt_tokens: int
     output_tokens: int
     prefix_id: str | int | None = None
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,17 +89,30 @@ def synthetic(
     output: LengthSpec,
     burstiness: float = 1.0,
     seed: int = 0,
+    *,
+    prefix_tokens: int = 0,
+    num_prefixes: int = 1,
 ) -> Iterator[WorkItem]:
     """Requests arriving at `rate` per second (see `arrival_times`) with prompt and reply
-    lengths drawn from their specs. Generated lazily."""
+    lengths drawn from their specs. With `prefix_tokens` N > 0, request i shares its first
+    min(N, prompt) tokens with every request of prefix_id i % `num_prefixes` (a system prompt
+    of up to N tokens). Generated lazily."""
+    if prefix_tokens < 0:
+        raise ValueError(f"prefix tokens must be >= 0, got {prefix_tokens}")
+    if num_prefixes < 1:
+        raise ValueError(f"the number of prefixes must be >= 1, got {num_prefixes}")
     # Separate streams: the arrival pattern does not change when the lengths do, and vice versa.
     lengths = random.Random(f"quill-sim:{seed}:lengths")
     for i, t in enumerate(arrival_times(num_requests, rate, burstiness, seed)):
-        yield WorkItem(str(i), t, prompt.draw(lengths), output.draw(lengths))
+        item = WorkItem(str(i), t, prompt.draw(lengths), output.draw(lengths))
+        if prefix_tokens:
+            item.prefix_id = i % num_prefixes
+            item.prefix_tokens = min(prefix_tokens, item.prompt_tokens)
+        yield item
 
 
 # -- traces --------------------------------------------------------------------------------
-_TRACE_KEYS = {"arrival_time", "prompt_tokens", "output_tokens", "prefix_id"}
+_TRACE_KEYS = {"arrival_time", "prompt_tokens", "output_tokens", "prefix_id", "prefix_tokens"}
 
 
 def read_trace(
@@ -147,9 +164,20 @@ def _parse_record(record, index: int) -> WorkItem:
             raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
         counts.append(value)
     prefix = record.get("prefix_id")
-    if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, str | int)):
+    shared = record.get("prefix_tokens")
+    if prefix is None and shared is None:
+        return WorkItem(str(index), float(arrival), counts[0], counts[1])
+    if isinstance(prefix, bool) or not isinstance(prefix, str | int):
+        if prefix is None:
+            raise ValueError("prefix_tokens needs a prefix_id (the prefix it counts)")
         raise ValueError(f"prefix_id must be a string or an integer, got {prefix!r}")
-    return WorkItem(str(index), float(arrival), counts[0], counts[1], prefix)
+    if shared is None:
+        raise ValueError("prefix_id needs prefix_tokens (how many leading tokens it shares)")
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 1 <= shared <= counts[0]:
+        raise ValueError(
+            f"prefix_tokens must be an integer in [1, prompt_tokens={counts[0]}], got {shared!r}"
+        )
+    return WorkItem(str(index), float(arrival), counts[0], counts[1], prefix, shared)
 
 
 def write_trace(items: Iterable[WorkItem], path: str | Path) -> None:
@@ -163,4 +191,5 @@ def write_trace(items: Iterable[WorkItem], path: str | Path) -> None:
             }
             if item.prefix_id is not None:
                 record["prefix_id"] = item.prefix_id
+                record["prefix_tokens"] = item.prefix_tokens
             f.write(json.dumps(record) + "\n")

@@ -25,7 +25,7 @@ _json = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**70), 2**70)
-    | st.floats(allow_subnormal=False)
+    | st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=False)  # JSON has none
     | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
     max_leaves=5,
@@ -96,7 +96,10 @@ def test_fuzz_from_openapi_schema(server, http, openapi, path, greedy, model_nam
         r = http.post(path, content=payload)
         statuses.append(r.status_code)
 
-        assert r.status_code < 500, (payload, r.text[:500])
+        # A 503 "overloaded" is an answer, not a failure: the body may carry a ttft_slo_ms
+        # too tight to meet.
+        overloaded = r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+        assert r.status_code < 500 or overloaded, (payload, r.text[:500])
         if r.status_code >= 400:
             error = r.json()["error"]
             assert error["message"] and "Traceback" not in error["message"]

@@ -73,7 +73,17 @@ def test_counters_rise_by_known_amounts(client, scrape, model_name):
         rise("quill:e2e_request_latency_seconds_sum")
         >= (comp.model_extra["metrics"]["e2e_latency"])
     )
-    assert rise("quill:iteration_tokens_total_sum") >= prompt_tokens
+    # Every prompt token is computed once, except those the prefix cache held (the n = 2 chat
+    # choices share their prompt's blocks); each reply's tokens after the first are decodes.
+    hits = rise("quill:prefix_cache_hits_total")
+    assert rise("quill:prefix_cache_queries_total") == prompt_tokens
+    block = 16
+    assert hits >= (chat.usage.prompt_tokens - 1) // block * block  # the second chat choice
+    assert rise("quill:iteration_tokens_total_sum") == prompt_tokens - hits + 4 + 3 + 3
+    assert (
+        comp.usage.prompt_tokens_details.cached_tokens
+        == comp.model_extra["metrics"]["num_cached_tokens"]
+    )
     assert sample(after, "quill:num_requests_running") == 0
 
 

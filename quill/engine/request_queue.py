@@ -1,0 +1,122 @@
+"""Scheduling policies: the order of the waiting queue, and of the running list. No torch.
+
+- fcfs: waiting requests are admitted in arrival order (a preempted request goes back to the
+  front); the running list is in admission order, so the KV pool's victim is the request
+  admitted last.
+- priority (as vLLM's `--scheduling-policy priority`): a lower `priority` value is served
+  first. The running list is kept in (priority, arrival) order, so the scheduler serves it from
+  the most important down and the victim (the last) is the least important, latest-arrived
+  request; a request is never preempted for a less important one.
+
+Starvation under priority is bounded by aging: a waiting request gains one level for every
+`aging` seconds it has waited. Since every waiting request ages at the same rate, comparing
+`priority - waited / aging` between two requests at any moment is comparing
+`priority * aging + arrival_time`: a fixed key, so the queue stays a sorted list. A request of
+priority p is admitted before any request of priority q < p that arrives more than
+(p - q) * aging seconds after it; with `aging` infinite the order is strict and a low priority
+can wait forever.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterator
+
+from quill.engine.request import Request
+
+POLICIES = ("fcfs", "priority")
+DEFAULT_PRIORITY_AGING = 10.0  # seconds of waiting worth one priority level
+
+
+class FcfsQueue:
+    """Waiting requests in arrival order."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def push(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def push_preempted(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityQueue:
+    """Waiting requests by aged priority (see the module's docstring), then arrival."""
+
+    def __init__(self, aging: float = DEFAULT_PRIORITY_AGING) -> None:
+        if not aging > 0:
+            raise ValueError(f"priority aging must be positive seconds (or inf), got {aging}")
+        self.aging = aging
+        self._keys: list[tuple] = []
+        self._requests: list[Request] = []
+        self._order = itertools.count()  # ties in the key keep their order of arrival here
+
+    def push(self, request: Request) -> None:
+        key = (*priority_key(request.priority, request.arrival_time, self.aging), next(self._order))
+        i = bisect.bisect(self._keys, key)
+        self._keys.insert(i, key)
+        self._requests.insert(i, request)
+
+    push_preempted = push  # its key puts it back where it was
+
+    def peek(self) -> Request:
+        return self._requests[0]
+
+    def pop(self) -> Request:
+        del self._keys[0]
+        return self._requests.pop(0)
+
+    def remove(self, request: Request) -> None:
+        i = next(i for i, r in enumerate(self._requests) if r is request)
+        del self._keys[i]
+        del self._requests[i]
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._requests)
+
+
+def priority_key(priority: int, arrival_time: float, aging: float) -> tuple:
+    """The waiting order under the priority policy: smaller first."""
+    if math.isinf(aging):
+        return (priority, arrival_time)
+    return (priority * aging + arrival_time,)
+
+
+def make_waiting_queue(policy: str, aging: float = DEFAULT_PRIORITY_AGING):
+    if policy == "fcfs":
+        return FcfsQueue()
+    if policy == "priority":
+        return PriorityQueue(aging)
+    raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
+
+
+def add_running(running: list[Request], request: Request, policy: str) -> None:
+    """Put a newly admitted request in the running list where the policy wants it."""
+    if policy == "fcfs":
+        running.append(request)
+    else:
+        key = (request.priority, request.arrival_time)
+        i = bisect.bisect(running, key, key=lambda r: (r.priority, r.arrival_time))
+        running.insert(i, request)
