@@ -110,7 +110,10 @@ def main() -> int:
                 model = served_model(server.url)
                 warm_up(server.url, model, "completions")
                 for w in workloads:
-                    result = run_client(server.url, w, args, seed=100 + r, tag=f"{w}-{mode}-{r}")
+                    # Each workload its own seed: the same seed would draw the random
+                    # prompts' first tokens equal to the shared prefix (one random stream).
+                    seed = 100 + r + 1000 * workloads.index(w)
+                    result = run_client(server.url, w, args, seed=seed, tag=f"{w}-{mode}-{r}")
                     runs[w][mode].append(result)
                     print(f"round {r} {w:>6} caching {mode:>3}: {json.dumps(result)}", flush=True)
             finally:

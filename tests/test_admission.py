@@ -6,15 +6,10 @@ from __future__ import annotations
 import pytest
 
 from quill.cost.batch import BatchShape
-from quill.engine.admission import (
-    AdmissionControl,
-    MeasuredStepTimer,
-    OverloadedError,
-    QueueState,
-)
+from quill.engine.admission import AdmissionControl, OverloadedError, QueueState, StepTimer
 from quill.engine.core import EngineCore
 from quill.engine.kv_cache import KVCacheManager
-from quill.engine.plan import StepResult
+from quill.engine.plan import SeqPlan, StepResult
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler
 from quill.sampling_params import SamplingParams
@@ -104,7 +99,7 @@ class StepClock:
 
 
 def test_core_refuses_new_requests_but_never_drops_admitted_ones():
-    timer = MeasuredStepTimer()
+    timer = StepTimer.by_tokens()
     control = AdmissionControl(0.5, timer, token_budget=32)
     scheduler = Scheduler(KVCacheManager(256, 4), 32, 8, 1000)
     core = EngineCore(scheduler, FakeExecutor(), StepClock(), admission=control)
@@ -122,15 +117,55 @@ def test_core_refuses_new_requests_but_never_drops_admitted_ones():
     assert scheduler.num_waiting + core.num_unscheduled >= 1
 
 
-def test_measured_timer_fits_a_line():
-    timer = MeasuredStepTimer()
+class Plan:
+    """Just enough of a StepPlan for BatchShape.from_plan: n prompt tokens of one sequence."""
 
-    class Plan:
-        def __init__(self, n):
-            self.num_tokens = n
+    def __init__(self, n: int) -> None:
+        self.seqs = [SeqPlan("r", [1] * n, 0, n, [0], True)]
 
+
+def test_timer_fits_a_line_through_token_counts():
+    timer = StepTimer.by_tokens()
+    assert timer.seconds(BatchShape.prefills(1, 100)) == 0.0  # knows nothing yet
     for n in (1, 40, 7, 300, 12, 64):
         timer.on_step(Plan(n), 0.0, 0.004 + 0.0005 * n)
     intercept, slope = timer.coefficients()
     assert intercept == pytest.approx(0.004) and slope == pytest.approx(0.0005)
     assert timer.seconds(BatchShape.prefills(1, 100)) == pytest.approx(0.054)
+
+
+def test_timer_corrects_the_cost_model_for_small_and_large_steps():
+    class Cost:  # a stale calibration: 1 ms a step plus 1 ms per token
+        def price(self, shape):
+            return type("StepCost", (), {"predicted_s": 0.001 + 0.001 * shape.num_tokens})
+
+    timer = StepTimer.from_cost_model(Cost())
+    assert timer.seconds(BatchShape.prefills(1, 99)) == pytest.approx(0.1)  # at its word
+    # The machine really takes 20 ms a step plus 2 ms per token: 2 x price + 18 ms.
+    for n in (1, 3, 256, 512, 1, 128):
+        timer.on_step(Plan(n), 0.0, 0.020 + 0.002 * n)
+    assert timer.seconds(BatchShape.prefills(1, 99)) == pytest.approx(0.218)
+    assert timer.seconds(BatchShape.decodes(4, 10)) == pytest.approx(0.028)
+
+
+def test_a_request_arriving_mid_step_counts_what_that_step_took_in():
+    """The snapshot is taken after each step; a request arriving while a step runs must still
+    count the requests that step took from the queue."""
+    seen = {}
+
+    class ArrivalMidStep(FakeExecutor):
+        def execute(self, plan):
+            if "late" not in seen:
+                late = request("late", 10)
+                core.add_request(late)  # as the server's thread would, during the pass
+                seen["late"] = late.predicted_ttft
+            return super().execute(plan)
+
+    control = AdmissionControl(None, LinearTimer(), token_budget=32)
+    scheduler = Scheduler(KVCacheManager(256, 4), 32, 8, 1000)
+    core = EngineCore(scheduler, ArrivalMidStep(), StepClock(), admission=control)
+    core.add_request(request("early", 100))
+    core.step()
+    # Ahead of "late": all 100 of "early" (the snapshot predates it) and its own 10: 110 tokens,
+    # 3 steps of 32 and one of 14; the step running is waited out first (mean step 0 s here).
+    assert seen["late"] == pytest.approx(3 * (0.010 + 0.032) + 0.010 + 0.014)

@@ -8,17 +8,19 @@ the prediction exceeds the SLO the request is refused (the server answers 503 wi
 Retry-After) instead of being queued to time out; requests already admitted are never dropped
 for it. Every admitted request carries its prediction, so it can be set beside the actual TTFT.
 
-Steps are priced by the cost model scaled by how recent steps measured against it, or, without
-a hardware spec, by a line fit to recent step times (`MeasuredStepTimer`). What the prediction
-leaves out: the step already running, KV-pool and max_num_seqs limits on admission, and
-decodes joining or leaving while the request waits.
+Steps are priced by the cost model, corrected by a line fit of recent steps' measured times
+against its prices, or, without a hardware spec, by a line fit of step times against their
+token counts (`StepTimer`); the rest of the step
+now running (by the mean step time) comes first. What the prediction leaves out: KV-pool and
+max_num_seqs limits on admission, decodes joining or leaving while the request waits, and
+attention's growth over a long prompt's later chunks.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from quill.cost.batch import BatchShape
 from quill.engine.request import Request
@@ -35,39 +37,31 @@ class OverloadedError(QuillError):
         self.retry_after = retry_after
 
 
-class StepTimer(Protocol):
-    def seconds(self, shape: BatchShape) -> float: ...
+class StepTimer:
+    """Step seconds as a + b * x, where x is a number the step is priced by: the cost model's
+    price (`StepTimer.from_cost_model`) or its token count (`StepTimer.by_tokens`), without a
+    hardware spec). a and b are a least-squares fit over recent steps, weighted by
+    `decay`**age, so a stale calibration is corrected for small steps and large ones alike.
+    Before any step: a = 0 and b = `prior_slope` (1: take the cost model at its word)."""
 
-    def on_step(self, plan, start: float, end: float) -> None: ...
-
-
-class CostModelStepTimer:
-    """The cost model's price, times an exponential average of measured / predicted."""
-
-    def __init__(self, cost_model, smoothing: float = 0.1) -> None:
-        self.cost_model = cost_model
-        self.smoothing = smoothing
-        self.ratio = 1.0
-
-    def seconds(self, shape: BatchShape) -> float:
-        return self.cost_model.price(shape).predicted_s * self.ratio
-
-    def on_step(self, plan, start: float, end: float) -> None:
-        predicted = self.cost_model.price(BatchShape.from_plan(plan)).predicted_s
-        if predicted > 0 and end > start:
-            self.ratio += self.smoothing * ((end - start) / predicted - self.ratio)
-
-
-class MeasuredStepTimer:
-    """Step seconds as a + b * tokens, least squares over recent steps weighted by `decay`**age.
-    Knows nothing (0 s) until a step has run."""
-
-    def __init__(self, decay: float = 0.98) -> None:
+    def __init__(
+        self, feature: Callable[[BatchShape], float], prior_slope: float, decay: float = 0.98
+    ) -> None:
+        self.feature = feature
+        self.prior_slope = prior_slope
         self.decay = decay
         self._w = self._x = self._xx = self._y = self._xy = 0.0
 
+    @classmethod
+    def from_cost_model(cls, cost_model) -> StepTimer:
+        return cls(lambda shape: cost_model.price(shape).predicted_s, prior_slope=1.0)
+
+    @classmethod
+    def by_tokens(cls) -> StepTimer:
+        return cls(lambda shape: float(shape.num_tokens), prior_slope=0.0)
+
     def on_step(self, plan, start: float, end: float) -> None:
-        x, y, d = float(plan.num_tokens), end - start, self.decay
+        x, y, d = self.feature(BatchShape.from_plan(plan)), end - start, self.decay
         self._w = self._w * d + 1.0
         self._x = self._x * d + x
         self._xx = self._xx * d + x * x
@@ -77,16 +71,16 @@ class MeasuredStepTimer:
     def coefficients(self) -> tuple[float, float]:
         w, x, xx, y, xy = self._w, self._x, self._xx, self._y, self._xy
         if w == 0:
-            return 0.0, 0.0
+            return 0.0, self.prior_slope
         det = w * xx - x * x
         if det <= 1e-9 * w * xx:  # every step had the same size: no slope to see
-            return 0.0, (y / x if x else 0.0)
+            return 0.0, (y / x if x else self.prior_slope)
         slope = max((w * xy - x * y) / det, 0.0)
         return max((y - slope * x) / w, 0.0), slope
 
     def seconds(self, shape: BatchShape) -> float:
         intercept, slope = self.coefficients()
-        return intercept + slope * shape.num_tokens
+        return intercept + slope * self.feature(shape)
 
 
 @dataclass(frozen=True)
@@ -119,9 +113,11 @@ class AdmissionControl:
         self.policy = policy
         self.priority_aging = priority_aging
         self.num_refused = 0
+        self.step_s = 0.0  # recent steps' mean duration (exponential average)
 
     def on_step(self, plan, start: float, end: float) -> None:
         self.timer.on_step(plan, start, end)
+        self.step_s += 0.2 * ((end - start) - self.step_s)
 
     def order_key(self, request: Request) -> tuple:
         if self.policy == "fcfs":
@@ -153,11 +149,17 @@ class AdmissionControl:
         return full * step(per_step) + (step(last) if last else 0.0)
 
     def admit(
-        self, request: Request, num_cached: int, state: QueueState, pending: list[Request]
+        self,
+        request: Request,
+        num_cached: int,
+        state: QueueState,
+        pending: list[Request],
+        step_elapsed: float | None = None,
     ) -> None:
         """Set `request.predicted_ttft`; raise OverloadedError if it is past the request's SLO
         (`slo_s`, or the request's own when tighter; none: every request is admitted).
-        `pending`: requests added, not yet seen by the scheduler."""
+        `pending`: requests added since `state` was taken; `step_elapsed`: how long the step
+        now running has run (None: none is), which the request waits out first."""
         slo = self.slo_s
         if request.ttft_slo is not None:
             slo = request.ttft_slo if slo is None else min(slo, request.ttft_slo)
@@ -166,6 +168,8 @@ class AdmissionControl:
         ahead += sum(tokens for k, tokens in state.waiting if k <= key)
         ahead += sum(r.num_tokens for r in pending if self.order_key(r) <= key)
         predicted = self.predict(request.num_tokens - num_cached, ahead, state)
+        if step_elapsed is not None:
+            predicted += max(self.step_s - step_elapsed, 0.0)
         request.predicted_ttft = predicted
         if slo is not None and predicted > slo:
             self.num_refused += 1

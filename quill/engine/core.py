@@ -74,6 +74,10 @@ class EngineCore:
         # Predicts each request's TTFT as it is added (and refuses it past an SLO).
         self.admission = admission
         self._queue_state = QueueState()
+        # Requests the scheduler took after the last snapshot: the snapshot does not hold them
+        # yet, and they are no longer pending (cleared when the next snapshot is taken).
+        self._unsnapshotted: list[Request] = []
+        self._step_started: float | None = None  # when the step now running began
         if admission is not None:
             self.step_listeners.append(admission)
         self._pending: deque[tuple[str, object]] = deque()
@@ -120,8 +124,11 @@ class EngineCore:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
             if self.admission is not None:
                 pending = [item for kind, item in self._pending if kind == "add"]
+                pending += self._unsnapshotted
                 num_cached = len(kv.find_cached_prefix(request)) * kv.block_size
-                self.admission.admit(request, num_cached, self._queue_state, pending)
+                started = self._step_started
+                elapsed = None if started is None else self.clock.now() - started
+                self.admission.admit(request, num_cached, self._queue_state, pending, elapsed)
             self._live_ids.add(request.request_id)
             self._pending.append(("add", request))
 
@@ -164,6 +171,9 @@ class EngineCore:
                 kind, item = self._pending.popleft()
             if kind == "add":
                 self.scheduler.add_request(item)
+                if self.admission is not None:
+                    with self._lock:
+                        self._unsnapshotted.append(item)
             else:
                 request = self.finish_request(item, "abort")
                 if request is not None:
@@ -177,7 +187,18 @@ class EngineCore:
         """
         out = CoreOutput()
         self._drain_pending(out)
-        start = self.clock.now()
+        start = self._step_started = self.clock.now()
+        try:
+            return self._step(out, start)
+        finally:
+            self._step_started = None
+            if self.admission is not None:
+                state = self.admission.snapshot(self.scheduler)
+                with self._lock:
+                    self._queue_state = state
+                    self._unsnapshotted = []
+
+    def _step(self, out: CoreOutput, start: float) -> CoreOutput:
         sched = self.scheduler.schedule(start)
         for request in sched.finished:
             self._ended(request)
@@ -217,8 +238,7 @@ class EngineCore:
         )
         for listener in self.step_listeners:
             listener.on_step(ran, start, end)
-        if self.admission is not None:
-            self._queue_state = self.admission.snapshot(self.scheduler)
+
         return out
 
     def _execute(self, plan: StepPlan) -> tuple[StepResult, StepPlan | None, dict[str, str]]:

@@ -240,12 +240,16 @@ def _text_includes_last_token(request: Request) -> bool:
 
 
 def _make_admission(config: EngineConfig, accountant, token_budget: int):
-    """Predicts every request's TTFT (and refuses those past an SLO): priced by the cost model
-    when this machine has a hardware spec, else by a line fit to the measured steps."""
-    from quill.engine.admission import AdmissionControl, CostModelStepTimer, MeasuredStepTimer
+    """Predicts every request's TTFT (and refuses those past an SLO): priced by the cost model,
+    corrected by the measured steps, when this machine has a hardware spec; else by a line fit
+    of the measured steps against their token counts."""
+    from quill.engine.admission import AdmissionControl, StepTimer
 
     cost_model = accountant.cost_model
-    timer = CostModelStepTimer(cost_model) if cost_model is not None else MeasuredStepTimer()
+    if cost_model is not None:
+        timer = StepTimer.from_cost_model(cost_model)
+    else:
+        timer = StepTimer.by_tokens()
     return AdmissionControl(
         config.max_ttft_slo,
         timer,
