@@ -110,3 +110,40 @@ def test_without_aging_a_low_priority_request_waits_for_all():
     for i in range(30):
         scheduler.add_request(request(f"h{i}", 0, 0.1 * (i + 1)))
     assert admission_order(scheduler)[-1] == "low"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-ttft-slo", "-5"], "--max-ttft-slo: milliseconds: must be positive"),
+        (["--max-ttft-slo", "nan"], "--max-ttft-slo: milliseconds: must be positive"),
+        (["--priority-aging", "0"], "--priority-aging: seconds: must be positive"),
+        (["--scheduling-policy", "lifo"], "invalid choice: 'lifo'"),
+    ],
+)
+def test_bad_scheduling_flags_are_refused_by_name(flags, message, capsys):
+    import argparse
+
+    from quill.engine_args import add_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_scheduling_flags_reach_the_engine_config():
+    import argparse
+
+    from quill.config import EngineConfig
+    from quill.engine_args import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(
+        ["--no-enable-prefix-caching", "--scheduling-policy", "priority", "--max-ttft-slo", "250"]
+    )
+    config = EngineConfig(**engine_options(args))
+    assert not config.enable_prefix_caching and config.scheduling_policy == "priority"
+    assert config.max_ttft_slo == 0.25 and config.priority_aging == 10.0
