@@ -93,3 +93,68 @@ def test_bad_scheduling_values_name_the_field(http, field, value):
     ):
         r = http.post(path, json={**base, "max_tokens": 1, field: value})
         check_error(r, 400, field)
+
+
+@pytest.fixture(scope="module")
+def priority_server():
+    """A second server, one sequence at a time, under the priority policy."""
+    import argparse
+    import threading
+    import time
+
+    from conftest import SERVER_ARGS
+
+    from quill.server.serve import add_serve_arguments, build_server
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = SERVER_ARGS + ["--scheduling-policy", "priority", "--max-num-seqs", "1"]
+    srv = build_server(parser.parse_args(args), announce=False)
+    thread = threading.Thread(target=srv.run, name="priority-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield srv
+    srv.request_shutdown()
+    thread.join(30)
+
+
+def test_priority_over_http_serves_the_most_important_waiting_request_first(priority_server):
+    import threading
+
+    import httpx
+    from server_helpers import API_KEY, wait_until
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    results: dict[str, dict] = {}
+
+    def send(name: str, priority: int, max_tokens: int) -> None:
+        body = {"prompt": f"Request {name}:", "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "priority": priority}  # fmt: skip
+        with httpx.Client(base_url=priority_server.base_url, headers=headers, timeout=120) as c:
+            r = c.post(COMPLETIONS, json=body)
+        assert r.status_code == 200, r.text
+        results[name] = r.json()["metrics"]
+
+    engine = priority_server.ctx.engine.engine
+    busy = threading.Thread(target=send, args=("busy", 5, 40))
+    busy.start()  # holds the one sequence slot for 40 tokens
+    wait_until(lambda: engine.scheduler.num_running == 1)
+    late = [
+        threading.Thread(target=send, args=("less", 3, 2)),
+        threading.Thread(target=send, args=("more", 0, 2)),  # arrives later, matters more
+    ]
+    late[0].start()
+    wait_until(lambda: engine.num_unscheduled >= 1)
+    late[1].start()
+    wait_until(lambda: engine.num_unscheduled >= 2)
+    assert engine.scheduler.num_running == 1  # both wait behind "busy"
+    for t in [busy, *late]:
+        t.join(120)
+
+    queue = {name: results[name]["queue_time"] for name in ("less", "more")}
+    ttft = {name: results[name]["time_to_first_token"] for name in ("less", "more")}
+    # "more" arrived after "less" yet waited less (under fcfs it would wait for "less" too).
+    assert queue["more"] < queue["less"] and ttft["more"] < ttft["less"]
