@@ -88,13 +88,13 @@ class FakeExecutor:
 
 
 class StepClock:
-    """Each step takes 0.1 s of virtual time."""
+    """Virtual time that moves 0.05 s at every reading (a step reads it at its start and end)."""
 
     def __init__(self) -> None:
         self.t = 0.0
 
     def now(self) -> float:
-        self.t += 0.05  # read twice per step
+        self.t += 0.05
         return self.t
 
 

@@ -66,35 +66,30 @@ class PriorityQueue:
         if not aging > 0:
             raise ValueError(f"priority aging must be positive seconds (or inf), got {aging}")
         self.aging = aging
-        self._keys: list[tuple] = []
-        self._requests: list[Request] = []
+        # (key, request), sorted; the key ends in a unique counter, so requests never compare.
+        self._entries: list[tuple[tuple, Request]] = []
         self._order = itertools.count()  # ties in the key keep their order of arrival here
 
     def push(self, request: Request) -> None:
         key = (*priority_key(request.priority, request.arrival_time, self.aging), next(self._order))
-        i = bisect.bisect(self._keys, key)
-        self._keys.insert(i, key)
-        self._requests.insert(i, request)
+        bisect.insort(self._entries, (key, request))
 
     push_preempted = push  # its key puts it back where it was
 
     def peek(self) -> Request:
-        return self._requests[0]
+        return self._entries[0][1]
 
     def pop(self) -> Request:
-        del self._keys[0]
-        return self._requests.pop(0)
+        return self._entries.pop(0)[1]
 
     def remove(self, request: Request) -> None:
-        i = next(i for i, r in enumerate(self._requests) if r is request)
-        del self._keys[i]
-        del self._requests[i]
+        del self._entries[next(i for i, (_, r) in enumerate(self._entries) if r is request)]
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._entries)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._requests)
+        return (request for _, request in self._entries)
 
 
 def priority_key(priority: int, arrival_time: float, aging: float) -> tuple:

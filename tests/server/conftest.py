@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -47,11 +49,11 @@ def hardware_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="session")
-def server(hardware_file) -> QuillServer:
+@contextmanager
+def running_server(args: list[str]) -> Iterator[QuillServer]:
+    """A server built from `quill serve` flags, run in a thread until the block ends."""
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = SERVER_ARGS + ["--hardware", str(hardware_file)]
     srv = build_server(parser.parse_args(args), announce=False)
     thread = threading.Thread(target=srv.run, name="test-server", daemon=True)
     thread.start()
@@ -64,6 +66,12 @@ def server(hardware_file) -> QuillServer:
     srv.request_shutdown()
     thread.join(30)
     assert not thread.is_alive(), "the server did not shut down"
+
+
+@pytest.fixture(scope="session")
+def server(hardware_file) -> Iterator[QuillServer]:
+    with running_server(SERVER_ARGS + ["--hardware", str(hardware_file)]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

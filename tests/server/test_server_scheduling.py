@@ -98,27 +98,11 @@ def test_bad_scheduling_values_name_the_field(http, field, value):
 @pytest.fixture(scope="module")
 def priority_server():
     """A second server, one sequence at a time, under the priority policy."""
-    import argparse
-    import threading
-    import time
+    from conftest import SERVER_ARGS, running_server
 
-    from conftest import SERVER_ARGS
-
-    from quill.server.serve import add_serve_arguments, build_server
-
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
     args = SERVER_ARGS + ["--scheduling-policy", "priority", "--max-num-seqs", "1"]
-    srv = build_server(parser.parse_args(args), announce=False)
-    thread = threading.Thread(target=srv.run, name="priority-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield srv
-    srv.request_shutdown()
-    thread.join(30)
+    with running_server(args) as srv:
+        yield srv
 
 
 def test_priority_over_http_serves_the_most_important_waiting_request_first(priority_server):
