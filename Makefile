@@ -9,6 +9,10 @@ TORCH_PIN := torch==2.13.0
 .PHONY: setup serve test lint bench clean
 
 setup: $(STAMP)
+	# Native kernels, one library per instruction set this CPU runs, compiled once per source
+	# hash into $${QUILL_CACHE:-~/.cache/quill}/ops (nothing to do when built; on failure quill
+	# says so at start-up and runs its PyTorch path).
+	$(PY) -m quill.ops.build
 
 $(STAMP): pyproject.toml requirements.txt Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)

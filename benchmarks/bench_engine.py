@@ -39,6 +39,7 @@ from benchmarks.engine.machine import (  # noqa: E402
     gemm_flops,
     machine_info,
     matmul_params,
+    read_probe_rate,
     weight_stream_rate,
 )
 from benchmarks.engine.measure import measure  # noqa: E402
@@ -120,8 +121,9 @@ def main() -> None:
             llama_info = llama_cols[0].lc.build_info()
     columns = [*quill_cols, *hf_cols, *llama_cols]
 
-    print("measuring the machine: weight streaming and fp32 GEMM", flush=True)
+    print("measuring the machine: weight streaming, read bandwidth and fp32 GEMM", flush=True)
     stream_bps = weight_stream_rate()
+    probe_bps = read_probe_rate()
     flops = gemm_flops()
     params = matmul_params(cfg)
     results: dict = {
@@ -136,6 +138,7 @@ def main() -> None:
         "llama_cpp": llama_info,
         "rates": {
             "weight_stream_Bps": stream_bps,
+            "read_probe_Bps": probe_bps,
             "gemm_fp32_flops": flops,
             "matmul_params_per_token": params,
         },

@@ -14,6 +14,9 @@ def cache_dir() -> Path:
 
 
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
+# auto: 16-bit, as the model's dtype when that is 16-bit, else bf16 where the CPU has bf16
+# arithmetic and fp16 (F16C) where it does not.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -29,6 +32,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     kv_cache_memory: int | None = None  # bytes for the KV pool; default from free memory
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (vLLM's flag)
     compile: bool = False  # torch.compile with bucketed batch sizes (slow start, faster steps)
     # Weight-only quantization: none | int8 | int4 | auto (auto measures here at start-up and
     # keeps an int8 copy for the batch sizes where it is faster than the float weights).
@@ -80,3 +84,10 @@ class EngineConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
+        aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        self.kv_cache_dtype = aliases.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (auto | float32 | bfloat16 | "
+                "float16)"
+            )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from quill.argtypes import checked, positive, rate
-from quill.config import QUANTIZATIONS
+from quill.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +74,13 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache is stored; auto: 16-bit (the model's dtype if 16-bit, else bf16 "
+        "where the CPU has bf16 arithmetic, fp16 where not)",
+    )
+    parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -91,6 +98,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         compile=args.compile,
         quantization=args.quantization,
         record_steps=args.record_steps,

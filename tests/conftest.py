@@ -7,6 +7,12 @@ import torch
 
 torch.set_num_threads(2)
 
+# The native library is chosen and loaded once per process; load it before any test points
+# QUILL_CACHE at an empty folder (where no library is built).
+from quill.ops import library  # noqa: E402
+
+NATIVE = library.load()
+
 # Prompts for reference comparisons: one token up to over a thousand.
 _PARAGRAPH = (
     "The history of computing is a story of machines that got smaller, faster and cheaper. "
@@ -46,6 +52,7 @@ def llm(model_dir):
     return LLM(
         str(model_dir),
         dtype="float32",
+        kv_cache_dtype="float32",  # the exact path; 16-bit caches: tests/test_kv_cache_dtype.py
         quantization="none",
         kv_cache_memory=256 << 20,
         max_num_seqs=64,

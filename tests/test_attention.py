@@ -1,122 +1,318 @@
-"""Paged attention against a plain per-sequence reference on random paged layouts.
+"""Paged attention, native kernel and PyTorch reference, against a plain float64 computation.
 
-Mixed decodes and prompt chunks, cached contexts, shuffled block tables with spare blocks,
-padding tokens, and the single-chunk causal path; both the eager function and the custom op
-that compiled models call.
+Random paged layouts: block tables in any order with spare blocks, contexts from 1 to a few
+thousand tokens, GQA ratios 1 to 8, head dims 64 / 128 / 256, block sizes 16 and 32, decodes
+and prompt chunks over cached contexts in one step, padding tokens; every cache dtype. The
+expected output is computed here from the logical keys and values (the cache is built from them
+by this file's own layout code, independent of quill's), so it checks the cache layout and the
+write of the step's keys as well as the attention. The native library in this process is the
+best one the CPU runs; `test_avx2_library` reruns the native tests under the AVX2 library
+wherever the CPU also runs AVX-512.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from quill.engine.plan import SeqPlan
-from quill.model.attention import AttentionLayout, _paged_attention, paged_attention
+from quill.model.attention import AttentionLayout, native_supported, paged_attention
+from quill.ops import library
+from tests.conftest import NATIVE
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
-NUM_BLOCKS = 64
-
-
-def reference(q, keys, values, start):
-    """Query i sits at position start + i and sees keys 0 .. start + i (float64)."""
-    group = HEADS // KV_HEADS
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i in range(q.shape[0]):
-        visible = start + i + 1
-        for h in range(HEADS):
-            kh, vh = keys[:visible, h // group], values[:visible, h // group]
-            weights = torch.softmax((kh @ q[i, h]) * HEAD_DIM**-0.5, dim=0)
-            out[i, h] = weights @ vh
-    return out
+needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
+PATHS = ["reference", pytest.param("native", marks=needs_native)]
 
 
-def random_step(rng: random.Random, q_lens: list[int], starts: list[int], padding: int):
-    free = list(range(NUM_BLOCKS))
+def to_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical [blocks, kv_heads, block_size, head_dim] keys and values in the cache layout:
+    keys transposed in each block; bf16 with row pairs interleaved (csrc/cache_layout.h)."""
+    n, h, bs, d = keys.shape
+    if keys.dtype != torch.bfloat16:
+        return keys.transpose(2, 3).contiguous(), values.contiguous()
+    k = keys.view(n, h, bs, d // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+    v = values.view(n, h, bs // 2, 2, d).permute(0, 1, 2, 4, 3).contiguous()
+    return k, v
+
+
+def from_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if k.dim() == 4:
+        return k.transpose(2, 3), v
+    n, h, d2, bs, _ = k.shape
+    keys = k.permute(0, 1, 3, 2, 4).reshape(n, h, bs, 2 * d2)
+    values = v.permute(0, 1, 2, 4, 3).reshape(n, h, bs, v.shape[3])
+    return keys, values
+
+
+@dataclass
+class Step:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    seqs: list[SeqPlan]
+    slots: torch.Tensor
+    expected: torch.Tensor  # float64
+    expected_keys: torch.Tensor  # logical cache after the step's writes
+    expected_values: torch.Tensor
+    scale: float
+
+
+def random_step(
+    rng: random.Random,
+    q_lens: list[int],
+    starts: list[int],
+    heads: int = 6,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    q_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype = torch.float32,
+    padding: int = 0,
+) -> Step:
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    needed = sum(-(-(s + q) // block_size) + 1 for s, q in zip(starts, q_lens))
+    num_blocks = needed + 2  # and one scratch block at the end, for padding tokens
+    shape = (num_blocks + 1, kv_heads, block_size, head_dim)
+    keys = torch.randn(shape, generator=gen).to(kv_dtype)
+    values = torch.randn(shape, generator=gen).to(kv_dtype)
+    free = list(range(num_blocks))
     rng.shuffle(free)
-    k_cache = torch.randn(NUM_BLOCKS + 1, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float64)
-    v_cache = torch.randn(NUM_BLOCKS + 1, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float64)
-    seqs, history = [], []
+    seqs = []
     for n, (q_len, start) in enumerate(zip(q_lens, starts)):
         total = start + q_len
-        num_blocks = -(-total // BLOCK) + rng.choice([0, 0, 1])  # sometimes a spare block
-        table = [free.pop() for _ in range(num_blocks)]
-        cached = [k_cache[table[p // BLOCK], p % BLOCK].clone() for p in range(start)]
-        cached_v = [v_cache[table[p // BLOCK], p % BLOCK].clone() for p in range(start)]
+        count = -(-total // block_size) + rng.choice([0, 0, 1])  # sometimes a spare block
+        table = [free.pop() for _ in range(count)]
         seqs.append(SeqPlan(f"r{n}", [0] * q_len, start, total, table, samples=True))
-        history.append((cached, cached_v))
-    order = sorted(range(len(seqs)), key=lambda i: q_lens[i] > 1)  # decodes first
-    seqs = [seqs[i] for i in order]
-    history = [history[i] for i in order]
+    seqs.sort(key=lambda s: len(s.token_ids) > 1)  # decodes first, as the runner lays them out
     num_tokens = sum(q_lens)
-    q = torch.randn(num_tokens + padding, HEADS, HEAD_DIM, dtype=torch.float64)
-    k = torch.randn(num_tokens + padding, KV_HEADS, HEAD_DIM, dtype=torch.float64)
-    v = torch.randn(num_tokens + padding, KV_HEADS, HEAD_DIM, dtype=torch.float64)
+    q = torch.randn(num_tokens + padding, heads, head_dim, generator=gen).to(q_dtype)
+    k = torch.randn(num_tokens + padding, kv_heads, head_dim, generator=gen).to(q_dtype)
+    v = torch.randn(num_tokens + padding, kv_heads, head_dim, generator=gen).to(q_dtype)
     slots = [
-        s.block_table[p // BLOCK] * BLOCK + p % BLOCK
+        s.block_table[p // block_size] * block_size + p % block_size
         for s in seqs
-        for p in range(s.start, s.start + len(s.token_ids))
-    ] + [NUM_BLOCKS * BLOCK] * padding
-    expected = torch.zeros_like(q)
-    row = 0
-    for s, (cached, cached_v) in zip(seqs, history):
-        n = len(s.token_ids)
-        keys = torch.stack(cached + list(k[row : row + n]))
-        values = torch.stack(cached_v + list(v[row : row + n]))
-        expected[row : row + n] = reference(q[row : row + n], keys, values, s.start)
-        row += n
-    layout = AttentionLayout(KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, torch.float64, q.device)
-    meta = layout.build(seqs, torch.tensor(slots))
-    return q, k, v, (k_cache, v_cache), meta, expected
+        for p in range(s.start, s.context_len)
+    ] + [num_blocks * block_size] * padding
+    k_cache, v_cache = to_cache(keys, values)
 
+    new_keys, new_values = keys.clone(), values.clone()
+    for row, slot in enumerate(slots[:num_tokens]):
+        new_keys[slot // block_size, :, slot % block_size] = k[row].to(kv_dtype)
+        new_values[slot // block_size, :, slot % block_size] = v[row].to(kv_dtype)
+    scale = head_dim**-0.5
+    expected = torch.zeros(q.shape, dtype=torch.float64)
+    row = 0
+    group = heads // kv_heads
+    for s in seqs:
+        n, ctx = len(s.token_ids), s.context_len
+        blocks = torch.tensor(s.block_table)
+        ks = new_keys[blocks].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx].double()
+        vs = new_values[blocks].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx].double()
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # [ctx, H, D]
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + n].double(), ks) * scale
+        visible = torch.arange(ctx)[None, :] <= torch.arange(s.start, ctx)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        expected[row : row + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
+        row += n
+    return Step(
+        q, k, v, k_cache, v_cache, seqs, torch.tensor(slots), expected, new_keys, new_values, scale
+    )
+
+
+def run(step: Step, path: str) -> torch.Tensor:
+    block_size = step.expected_keys.shape[2]
+    scratch = step.expected_keys.shape[0] - 1
+    layout = AttentionLayout(block_size, scratch, step.q.dtype, step.q.device, path == "native")
+    meta = layout.build(step.seqs, step.slots)
+    return paged_attention(step.q, step.k, step.v, (step.k_cache, step.v_cache), meta, step.scale)
+
+
+def check(step: Step, out: torch.Tensor, atol: float, rtol: float) -> None:
+    torch.testing.assert_close(out.double(), step.expected, atol=atol, rtol=rtol)
+    keys, values = from_cache(step.k_cache, step.v_cache)
+    num_tokens = sum(len(s.token_ids) for s in step.seqs)
+    block_size = step.expected_keys.shape[2]
+    used = sorted({slot // block_size for slot in step.slots[:num_tokens].tolist()})
+    torch.testing.assert_close(keys[used], step.expected_keys[used], atol=0, rtol=0)
+    torch.testing.assert_close(values[used], step.expected_values[used], atol=0, rtol=0)
+
+
+# Bounds: fp32 arithmetic on fp32 (or exactly widened 16-bit) inputs is within float rounding;
+# bf16 queries round the output to bf16 (~2^-9 relative) and the native kernel also rounds the
+# softmax weights to bf16 for its bf16 dot products.
+TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
 
 CASES = {
     "decodes only": ([1, 1, 1, 1], [5, 17, 0, 30]),
-    "one prompt, no context (causal path)": ([9], [0]),
-    "decodes and a first chunk (causal path)": ([1, 1, 7], [3, 12, 0]),
+    "one prompt, no context": ([9], [0]),
+    "decodes and a first chunk": ([1, 1, 7], [3, 12, 0]),
     "a later chunk over cached context": ([6], [10]),
-    "mixed decodes and chunks": ([1, 5, 1, 3, 8], [21, 0, 2, 13, 4]),
+    "mixed decodes and chunks": ([1, 5, 1, 3, 40], [21, 0, 2, 13, 70]),
     "chunks of different lengths": ([2, 9, 4], [0, 7, 16]),
+    "one long decode": ([1], [2000]),
+    "a chunk past many tiles": ([200], [300]),
 }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("padding", [0, 3])
-def test_matches_reference(case, padding):
+def test_matches_reference(path, case, padding):
     q_lens, starts = CASES[case]
-    q, k, v, cache, meta, expected = random_step(random.Random(case), q_lens, starts, padding)
-    out = paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
-    torch.testing.assert_close(out, expected)
-    # The cache now holds the step's keys at their slots.
-    flat = cache[0].view(-1, KV_HEADS, HEAD_DIM)
-    torch.testing.assert_close(flat[meta.slot_mapping[: sum(q_lens)]], k[: sum(q_lens)])
+    step = random_step(random.Random(case), q_lens, starts, padding=padding)
+    check(step, run(step, path), *TOLERANCE[torch.float32])
 
 
-def test_random_layouts():
-    rng = random.Random(7)
-    for _ in range(25):
-        n = rng.randint(1, 6)
-        q_lens = [rng.choice([1, 1, rng.randint(2, 12)]) for _ in range(n)]
-        starts = [rng.randint(0, 25) for _ in range(n)]
-        q, k, v, cache, meta, expected = random_step(rng, q_lens, starts, rng.choice([0, 2]))
-        torch.testing.assert_close(paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5), expected)
-
-
-def test_custom_op_matches_eager():
-    q, k, v, cache, meta, expected = random_step(random.Random(1), [1, 4, 1, 6], [9, 0, 3, 5], 2)
-    args = (
-        meta.key_buffer,
-        meta.value_buffer,
-        meta.slot_mapping,
-        meta.decode_tables,
-        meta.decode_bias,
-        meta.prefill_index,
-        meta.prefill_rows,
-        meta.prefill_tables,
-        meta.prefill_bias,
-        HEAD_DIM**-0.5,
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float16),
+    ],
+)
+def test_cache_dtypes(path, q_dtype, kv_dtype):
+    step = random_step(
+        random.Random(3), [1, 1, 13, 1], [40, 3, 20, 300], q_dtype=q_dtype, kv_dtype=kv_dtype
     )
-    out = torch.ops.quill.paged_attention(q, k, v, cache[0], cache[1], *args)
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(_paged_attention(q, k, v, cache[0], cache[1], *args), expected)
+    check(step, run(step, path), *TOLERANCE[q_dtype])
+
+
+@st.composite
+def layouts(draw):
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    kv_heads = draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([64, 128, 256]))
+    block_size = draw(st.sampled_from([16, 32]))
+    n = draw(st.integers(1, 5))
+    q_lens = [draw(st.sampled_from([1, 1, 1, draw(st.integers(2, 70))])) for _ in range(n)]
+    starts = [draw(st.sampled_from([0, draw(st.integers(0, 40)), draw(st.integers(0, 3000))]))]
+    starts += [draw(st.integers(0, 400)) for _ in range(n - 1)]
+    kv_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    q_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return dict(
+        q_lens=q_lens,
+        starts=starts,
+        heads=group * kv_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        q_dtype=q_dtype,
+        kv_dtype=kv_dtype,
+        padding=draw(st.sampled_from([0, 2])),
+        seed=draw(st.integers(0, 1 << 20)),
+    )
+
+
+@needs_native
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_native_random_layouts(case):
+    seed = case.pop("seed")
+    step = random_step(random.Random(seed), **case)
+    check(step, run(step, "native"), *TOLERANCE[case["q_dtype"]])
+
+
+def test_reference_random_layouts():
+    rng = random.Random(7)
+    for _ in range(12):
+        n = rng.randint(1, 5)
+        q_lens = [rng.choice([1, 1, rng.randint(2, 30)]) for _ in range(n)]
+        starts = [rng.randint(0, 200) for _ in range(n)]
+        kv_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        step = random_step(rng, q_lens, starts, kv_dtype=kv_dtype, padding=rng.choice([0, 2]))
+        check(step, run(step, "reference"), *TOLERANCE[torch.float32])
+
+
+@needs_native
+def test_native_ops_pass_opcheck():
+    step = random_step(random.Random(5), [1, 6, 1], [20, 9, 3], kv_dtype=torch.bfloat16)
+    layout = AttentionLayout(
+        16, step.expected_keys.shape[0] - 1, torch.float32, step.q.device, True
+    )
+    meta = layout.build(step.seqs, step.slots)
+    args = (step.q, step.k, step.v, step.k_cache, step.v_cache, step.slots)
+    torch.library.opcheck(
+        torch.ops.quill.paged_attention.default,
+        (*args, meta.block_tables, meta.seq_lens, meta.query_start_loc, step.scale),
+    )
+    torch.library.opcheck(torch.ops.quill.write_kv.default, args[1:])
+    # The probe returns a timing, different on every call: every check but comparing outputs.
+    torch.library.opcheck(
+        torch.ops.quill.read_probe.default,
+        (torch.ones(4096), 1, 1),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+@needs_native
+def test_native_refuses_bad_metadata():
+    step = random_step(random.Random(2), [1, 4], [30, 0])
+    layout = AttentionLayout(
+        16, step.expected_keys.shape[0] - 1, torch.float32, step.q.device, True
+    )
+    meta = layout.build(step.seqs, step.slots)
+    args = (step.q, step.k, step.v, step.k_cache, step.v_cache, step.slots)
+    bad_table = meta.block_tables.clone()
+    bad_table[0, 0] = 10**6
+    with pytest.raises(RuntimeError, match="block id"):
+        torch.ops.quill.paged_attention(
+            *args, bad_table, meta.seq_lens, meta.query_start_loc, step.scale
+        )
+    with pytest.raises(RuntimeError, match="int32"):
+        torch.ops.quill.paged_attention(
+            *args, meta.block_tables.long(), meta.seq_lens, meta.query_start_loc, step.scale
+        )
+    too_long = meta.seq_lens + 1000
+    with pytest.raises(RuntimeError, match="keys for"):
+        torch.ops.quill.paged_attention(
+            *args, meta.block_tables, too_long, meta.query_start_loc, step.scale
+        )
+
+
+def test_native_supported_says_why_not():
+    assert native_supported(torch.device("meta"), 64, 16, torch.float32) == "device meta"
+    if NATIVE is not None:
+        assert native_supported(torch.device("cpu"), 64, 16, torch.float32) is None
+        assert "head_dim" in native_supported(torch.device("cpu"), 60, 16, torch.float32)
+        assert "block_size" in native_supported(torch.device("cpu"), 64, 12, torch.float32)
+
+
+@needs_native
+def test_library_is_the_best_this_cpu_runs():
+    runnable = library.runnable_isas()
+    assert torch.ops.quill.isa() == NATIVE.isa
+    expected = os.environ.get("QUILL_NATIVE_ISA") or runnable[0]
+    assert NATIVE.isa == expected
+
+
+@pytest.mark.skipif(
+    "avx512" not in library.runnable_isas(), reason="the CPU lacks AVX-512 (avx512_bf16, VNNI)"
+)
+@pytest.mark.skipif(
+    NATIVE is None or NATIVE.isa != "avx512", reason="the AVX-512 library is not loaded"
+)
+def test_avx2_library():
+    """The AVX2 library runs on AVX-512 CPUs too: its native tests, in a process of its own."""
+    assert library.library_path("avx2").is_file(), "`make setup` builds every library the CPU runs"
+    env = {**os.environ, "QUILL_NATIVE_ISA": "avx2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout

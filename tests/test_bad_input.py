@@ -64,6 +64,7 @@ def test_prompt_that_never_fits_the_pool(model_dir):
     tiny = LLM(
         str(model_dir),
         dtype="float32",
+        kv_cache_dtype="float32",
         quantization="none",
         kv_cache_memory=4 * 16 * 30 * 2 * 3 * 64 * 4,
     )

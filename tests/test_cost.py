@@ -339,6 +339,18 @@ def test_cli_table_reads_at_a_glance(capsys):
     assert sum(line.split()[2] == "decode" for line in out.splitlines() if line[:1].isdigit()) == 2
 
 
+def test_cli_kv_cache_dtype_sets_the_kv_bytes(capsys):
+    """SmolLM2: 30 layers x (K, V) x 3 KV heads x 64 = 11,520 elements per token."""
+    per_token = {}
+    for dtype in ("auto", "float32", "float16"):
+        argv = ["--model", "SmolLM2-135M", "--hardware", "H100", "--json"]
+        rc, out, _ = _run(capsys, [*argv, "--bytes-per-param", "4", "--kv-cache-dtype", dtype])
+        assert rc == 0
+        doc = json.loads(out)
+        per_token[dtype] = doc["model"]["kv_bytes_per_element"] * 11520
+    assert per_token == {"auto": 23040, "float32": 46080, "float16": 23040}
+
+
 def test_cli_plot_writes_a_png(capsys, tmp_path):
     path = tmp_path / "roofline.png"
     rc, _, _ = _run(capsys, [*ABSTRACT_FLAGS, "--batch", "1,64", "--plot", str(path)])

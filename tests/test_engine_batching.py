@@ -59,6 +59,7 @@ def test_preemption_keeps_outputs(model_dir, alone):
     small = LLM(
         str(model_dir),
         dtype="float32",
+        kv_cache_dtype="float32",
         quantization="none",
         kv_cache_memory=24 * 16 * 30 * 2 * 3 * 64 * 4,
         max_num_batched_tokens=64,

@@ -74,7 +74,13 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_text((default_model_dir() / name).read_text())
 
-    llm = LLM(str(tmp_path), dtype="float32", quantization="none", kv_cache_memory=16 << 20)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        quantization="none",
+        kv_cache_memory=16 << 20,
+    )
     prompts = [[5, 17, 300, 4000], list(range(100, 190))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for ids, out in zip(prompts, outs, strict=True):

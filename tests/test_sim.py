@@ -174,6 +174,7 @@ def test_simulator_schedules_like_the_real_engine(tmp_path, model_dir):
             tokenizer=str(model_dir),
             load_format="dummy",
             dtype="float32",
+            kv_cache_dtype="float32",  # the spec's 4 bytes per element
             quantization="none",
             kv_cache_memory=int(kv_bytes),
             **limits,

@@ -50,6 +50,13 @@ def machine_info(threads: int) -> dict:
     }
 
 
+def read_probe_rate() -> float | None:
+    """The native library's read probe with all threads (None without the library)."""
+    from quill.ops import library, probe
+
+    return probe.read_bandwidth() if library.load() is not None else None
+
+
 def _best_time(fn, repeats: int) -> float:
     fn()
     best = math.inf

@@ -98,8 +98,11 @@ def print_tables(results, columns, prompts, batches, long_batches, args) -> None
         False,
     )
     stream = results["rates"]["weight_stream_Bps"]
+    probe = results["rates"].get("read_probe_Bps")
+    probe_text = f"; read probe, all threads: {probe / 1e9:.1f} GB/s" if probe else ""
     print(
-        f"\nKV read rate of quill's long-context decode (weight streaming: {stream / 1e9:.1f} GB/s)"
+        f"\nKV read rate of quill's long-context decode (weight streaming: {stream / 1e9:.1f} GB/s"
+        f"{probe_text})"
     )
     print("\n| column | seqs | context | step ms | KV MB/step | KV GB/s | KV+weights GB/s |")
     print("|---|---|---|---|---|---|---|")

@@ -122,6 +122,7 @@ def fit_spec(
     dtype = str(engine.dtype).removeprefix("torch.")
     model = ModelSpec.from_path(engine.model_path, engine.dtype.itemsize)
     model.dtype = dtype
+    model.kv_bytes_per_element = engine.kv_cache_dtype.itemsize
     cpu = cpu_info()
     device = engine.device
     base = HardwareSpec(
@@ -153,6 +154,7 @@ def fit_spec(
         "model": model.name,
         "model_path": str(engine.model_path),
         "dtype": dtype,
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
         "device": str(device),
         "threads": _threads(),
         "fitted_steps": len(steps),
@@ -319,6 +321,7 @@ def _main(args: argparse.Namespace) -> int:
     )
     dtype = str(engine.dtype).removeprefix("torch.")
     model = ModelSpec.from_path(engine.model_path, engine.dtype.itemsize)
+    model.kv_bytes_per_element = engine.kv_cache_dtype.itemsize
     print(
         f"model: {model.name} ({dtype}, {engine.device}), loaded in "
         f"{time.perf_counter() - started:.1f} s"
@@ -375,6 +378,7 @@ def _refit(args: argparse.Namespace) -> int:
         args.model or info["model_path"], bytes_per_element(info.get("dtype", "bfloat16"))
     )
     model.dtype = info.get("dtype", model.dtype)
+    model.kv_bytes_per_element = bytes_per_element(info.get("kv_cache_dtype", model.dtype))
     steps = []
     for record in read_steps(args.from_steps):
         seqs = [tuple(x) for x in record["seqs"]]

@@ -15,10 +15,11 @@ import re
 import sys
 from dataclasses import asdict
 
+from quill.config import KV_CACHE_DTYPES
 from quill.cost.hardware import PRESETS as HARDWARE_PRESETS
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import PRESETS as MODEL_PRESETS
-from quill.cost.model import ModelSpec
+from quill.cost.model import ModelSpec, kv_bytes_per_element
 from quill.cost.step import CostModel
 from quill.cost.table import build_rows, format_costs, format_header, format_rows, price_costs
 
@@ -68,6 +69,12 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "--bytes-per-param",
         metavar="N",
         help="bytes per weight (default: 2 for --params; the config's dtype for --model)",
+    )
+    model.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache is stored (auto: 16-bit, as quill serves it)",
     )
     hw = parser.add_argument_group("hardware (one of)")
     hw.add_argument("--hardware", metavar="PRESET|FILE", help="a preset or a JSON spec")
@@ -185,7 +192,9 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     if args.bytes_per_param is not None:
         bpp = _positive(args.bytes_per_param, "--bytes-per-param", suffixes=False)
     if args.model is not None:
-        return ModelSpec.resolve(args.model, bpp)
+        model = ModelSpec.resolve(args.model, bpp)
+        model.kv_bytes_per_element = kv_bytes_per_element(args.kv_cache_dtype)
+        return model
     if args.params is not None:
         return ModelSpec.abstract(_positive(args.params, "--params", counts=True), bpp or 2)
     raise ValueError("give a model: --model PATH|PRESET, or --params N [--bytes-per-param N]")

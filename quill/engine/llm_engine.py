@@ -49,6 +49,7 @@ class LLMEngine:
         self.model_config = built.model_config
         self.model_path = built.model_path
         self.device, self.dtype = built.device, built.dtype
+        self.kv_cache_dtype = built.kv_cache_dtype
         self.max_model_len = built.max_model_len
         kv = KVCacheManager(built.num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(
@@ -267,6 +268,7 @@ def _make_accountant(config: EngineConfig, built):
     from quill.cost.step import CostModel
 
     model = ModelSpec.from_hf_config(built.hf_config, bytes_per_param=built.dtype.itemsize)
+    model.kv_bytes_per_element = built.kv_cache_dtype.itemsize  # the cache's, not the weights'
     dtype = str(built.dtype).removeprefix("torch.")
     if config.hardware is not None:
         hardware = HardwareSpec.resolve(config.hardware)

@@ -48,11 +48,14 @@ class BucketedForward:
     def __call__(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         # The layout's shapes change every step but only the opaque attention op reads them:
         # symbolic sizes keep them from triggering recompiles.
-        for field in fields(meta):
-            tensor = getattr(meta, field.name)
-            if tensor is not None and field.name != "slot_mapping":
-                for dim in range(tensor.dim()):
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        for holder in (meta, meta.reference):
+            if holder is None:
+                continue
+            for field in fields(holder):
+                tensor = getattr(holder, field.name)
+                if isinstance(tensor, torch.Tensor) and field.name != "slot_mapping":
+                    for dim in range(tensor.dim()):
+                        torch._dynamo.maybe_mark_dynamic(tensor, dim)
         n = input_ids.shape[0]
         if n not in self.seen:
             self.seen.add(n)

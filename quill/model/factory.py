@@ -17,7 +17,12 @@ from quill.config import EngineConfig
 from quill.engine.tokenizer import Tokenizer
 from quill.errors import InvalidRequestError
 from quill.model.config import ModelConfig, generation_config_eos_ids
-from quill.model.loader import load_model, resolve_device, resolve_dtype
+from quill.model.loader import (
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from quill.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -34,6 +39,7 @@ class ModelExecutor:
     model_path: Path
     device: torch.device
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
     max_model_len: int
     token_budget: int
     num_blocks: int
@@ -58,8 +64,15 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
     ctx = loaded.config.max_position_embeddings
     max_model_len = min(config.max_model_len or ctx, ctx)
     budget = config.max_num_batched_tokens or (512 if device.type == "cpu" else 8192)
+    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     runner = ModelRunner(
-        loaded.model, device, dtype, config.block_size, config.seed, tokenizer.eos_token_ids
+        loaded.model,
+        device,
+        dtype,
+        config.block_size,
+        config.seed,
+        tokenizer.eos_token_ids,
+        kv_cache_dtype,
     )
     num_blocks = _num_kv_blocks(config, runner, device, max_model_len)
     runner.allocate_kv_cache(num_blocks)
@@ -67,7 +80,9 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
         from quill.model.compile import compile_runner
 
         compile_runner(runner, budget)
-    _log_pool(config.block_size, num_blocks, runner.kv_bytes_per_block(), dtype, max_model_len)
+    _log_pool(
+        config.block_size, num_blocks, runner.kv_bytes_per_block(), kv_cache_dtype, max_model_len
+    )
     return ModelExecutor(
         runner,
         tokenizer,
@@ -76,6 +91,7 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
         model_path,
         device,
         dtype,
+        kv_cache_dtype,
         max_model_len,
         budget,
         num_blocks,

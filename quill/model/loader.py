@@ -18,15 +18,13 @@ import torch
 from quill.errors import ModelLoadError
 from quill.model.config import ModelConfig
 from quill.model.llama import LlamaForCausalLM
+from quill.ops.library import cpu_flags
 
 log = logging.getLogger(__name__)
 
 
 def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -49,6 +47,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "float16" and device.type == "cpu":
         raise ModelLoadError("float16 is only supported on GPU; use bfloat16 or float32 on CPU")
     return getattr(torch, name)
+
+
+def resolve_kv_cache_dtype(
+    name: str, model_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """auto: 16-bit, halving the bytes every long-context step reads against fp32: the model's
+    dtype when it is 16-bit; else bf16 where the CPU has bf16 arithmetic (or on a GPU), fp16
+    (converted by F16C) where it has not."""
+    if name != "auto":
+        return getattr(torch, name)
+    if model_dtype in (torch.bfloat16, torch.float16):
+        return model_dtype
+    if device.type == "cuda" or cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float16
 
 
 @dataclass

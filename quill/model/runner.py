@@ -14,9 +14,11 @@ from collections.abc import Sequence
 import torch
 
 from quill.engine.plan import SeqPlan, StepPlan, StepResult
-from quill.model.attention import AttentionLayout
+from quill.model.attention import AttentionLayout, native_supported
 from quill.model.llama import LlamaForCausalLM
 from quill.model.sampler import Sampler, SampleResult
+from quill.ops import memory
+from quill.ops.reference import kv_cache_shapes
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class ModelRunner:
         block_size: int,
         seed: int = 0,
         end_token_ids: Sequence[int] = (),
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -40,6 +43,7 @@ class ModelRunner:
             torch.set_flush_denormal(True)
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         # The end ids let the sampler hold them back until a request's min_tokens.
         self.sampler = Sampler(device, seed, end_token_ids)
@@ -50,23 +54,34 @@ class ModelRunner:
         self.padded_size = lambda num_tokens: num_tokens  # compiled steps pad to a bucket
 
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         return self.config.kv_bytes_per_token * self.block_size * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
-        shape = (num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)
+        k_shape, v_shape = kv_cache_shapes(
+            num_blocks + 1, c.num_kv_heads, c.head_dim, self.block_size, self.kv_cache_dtype
+        )
         # Zeroed: masked-out keys still meet the values in P @ V, and 0 * NaN would poison it.
+        # On huge pages: the blocks a step reads are scattered over the whole pool.
+        dtype, dev = self.kv_cache_dtype, self.device
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+            (memory.zeros(k_shape, dtype, dev), memory.zeros(v_shape, dtype, dev))
             for _ in range(c.num_layers)
         ]
         self.scratch_block = num_blocks
+        why_not = native_supported(self.device, c.head_dim, self.block_size, self.kv_cache_dtype)
+        if why_not is None:
+            log.info(
+                "attention: quill::paged_attention (%s library: %s) on a %s KV cache",
+                torch.ops.quill.isa(),
+                torch.ops.quill.attention_kernel(self.dtype, self.kv_cache_dtype),
+                self.kv_cache_dtype,
+            )
+        else:
+            log.info("attention: PyTorch path (%s), %s KV cache", why_not, self.kv_cache_dtype)
         self.layout = AttentionLayout(
-            c.num_kv_heads, c.head_dim, self.block_size, num_blocks, self.dtype, self.device
+            self.block_size, num_blocks, self.dtype, self.device, native=why_not is None
         )
 
     @torch.inference_mode()

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from quill import argtypes
 from quill.cost.hardware import HardwareSpec
-from quill.cost.model import ModelSpec, bytes_per_element
+from quill.cost.model import ModelSpec, bytes_per_element, kv_bytes_per_element
 from quill.engine_args import add_scheduler_arguments
 from quill.sim.capacity import find_capacity, meets, replicas_needed
 from quill.sim.cluster import ROUTERS, run_colocated, run_disaggregated
@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16"],
-        help="weights and KV cache (auto: the config's torch_dtype; presets are bfloat16)",
+        help="weights (auto: the config's torch_dtype; presets are bfloat16); the KV cache is "
+        "--kv-cache-dtype's",
     )
     parser.add_argument(
         "--hardware",
@@ -236,6 +237,7 @@ def _setup(args: argparse.Namespace):
         raise ValueError(f"--capacity-tolerance must be below 1, got {args.capacity_tolerance}")
     bytes_per_param = None if args.dtype == "auto" else bytes_per_element(args.dtype)
     model = ModelSpec.resolve(args.model, bytes_per_param)
+    model.kv_bytes_per_element = kv_bytes_per_element(args.kv_cache_dtype)
     hardware = HardwareSpec.resolve(args.hardware)
     if args.disaggregate and hardware.interconnect_bandwidth is None:
         raise ValueError(f"--disaggregate needs the interconnect bandwidth of {hardware.name}")

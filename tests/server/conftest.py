@@ -25,6 +25,7 @@ from quill.server.serve import QuillServer, add_serve_arguments, build_server
 
 SERVER_ARGS = [
     "--dtype", "float32",
+    "--kv-cache-dtype", "float32",
     "--quantization", "none",
     "--kv-cache-memory", "256MiB",
     "--port", "0",

@@ -1,0 +1,36 @@
+// quill's native ops, registered with torch.library under the `quill` namespace.
+//
+// Schemas mark the caches the ops write (`Tensor(a!)`), so torch.compile and functionalization
+// see the mutation; the fake (meta) kernels live in quill/ops/fake.py.
+#include <torch/library.h>
+
+#include "ops.h"
+
+namespace quill {
+
+std::string isa() {
+#if defined(QUILL_AVX512)
+  return "avx512";
+#else
+  return "avx2";
+#endif
+}
+
+}  // namespace quill
+
+TORCH_LIBRARY(quill, m) {
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+      "float scale) -> Tensor");
+  m.def("read_probe(Tensor buffer, int num_threads, int repeats) -> Tensor");
+  m.def("isa() -> str", &quill::isa);
+  m.def("attention_kernel(ScalarType q_dtype, ScalarType kv_dtype) -> str", &quill::attention_kernel);
+}
+
+TORCH_LIBRARY_IMPL(quill, CPU, m) {
+  m.impl("write_kv", &quill::write_kv);
+  m.impl("paged_attention", &quill::paged_attention);
+  m.impl("read_probe", &quill::read_probe);
+}

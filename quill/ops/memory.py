@@ -1,0 +1,41 @@
+"""Large CPU tensors on transparent huge pages: the KV cache and the bandwidth probe's buffer.
+
+Decode attention reads 16-token blocks scattered over the whole KV pool, and on a virtual
+machine every TLB miss walks two page tables: with 4 KiB pages a plain read of 256 MiB ran at
+20-27 GB/s on the Zen 4 here, with 2 MiB pages at 28-34 (docs/benchmarks.md). torch's CPU
+allocator asks for huge pages only when `THP_MEM_ALLOC_ENABLE=1` is set before it first
+allocates, which quill cannot promise, so these tensors are mapped here instead: anonymous
+memory advised `MADV_HUGEPAGE` (the kernel's `madvise` mode, the common default), zero-filled
+by the kernel and committed page by page as it is first written. Elsewhere (no `madvise`, or
+a GPU) they are plain `torch.zeros`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on a CPU with transparent huge pages, backed by them."""
+    numel = math.prod(shape)
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if device.type != "cpu" or advise is None or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = -(-numel * dtype.itemsize // HUGE_PAGE) * HUGE_PAGE
+    # One huge page more, to start the tensor on a huge-page boundary.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(advise)
+    except OSError:
+        pass  # huge pages off ("never"): still a zeroed tensor
+    view = ctypes.c_char.from_buffer(region)
+    offset = -ctypes.addressof(view) % HUGE_PAGE
+    del view  # a live export would keep the mapping from ever closing
+    # The tensor keeps the mapping alive; it is unmapped when the last view goes.
+    return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
