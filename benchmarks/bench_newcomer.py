@@ -47,7 +47,7 @@ def decode_steps(engine, steps: int, expect: int) -> list[tuple[float, float]]:
 
 def one_round(llm: LLM, short: int, long_len: int, steps: int, seed: int) -> dict:
     engine = llm.engine
-    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
     ids = [engine.add_request(prompt_ids(32, seed + i), params) for i in range(short)]
     try:
         alone = decode_steps(engine, steps, short)

@@ -139,11 +139,14 @@ Scratch& thread_scratch() {
   return scratch;
 }
 
+// Asks for one KV head's part of `count` blocks. Spread over the head loops (one head's 2 KB
+// per block at a time) rather than all at once, it measured ~10% faster at 1,500-8,000 keys.
 template <typename KT>
-inline void prefetch_blocks(const KT* cache, const int32_t* blocks, int count, int64_t block_elems) {
+inline void prefetch_head(const KT* cache, const int32_t* blocks, int count, int kv_heads, int h,
+                          int64_t head_elems) {
   for (int j = 0; j < count; ++j) {
-    const char* p = reinterpret_cast<const char*>(cache + int64_t(blocks[j]) * block_elems);
-    for (int64_t off = 0; off < block_elems * int64_t(sizeof(KT)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+    const char* p = reinterpret_cast<const char*>(cache + (int64_t(blocks[j]) * kv_heads + h) * head_elems);
+    for (int64_t off = 0; off < head_elems * int64_t(sizeof(KT)); off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
   }
 }
 
@@ -164,8 +167,8 @@ struct KindFor<bf16, bf16> {
 #endif
 
 template <typename QT, typename KT>
-void attend(const Layout& L, const Item& it, const QT* q, const KT* k_cache, const KT* v_cache,
-            QT* out, float* partials) {
+void attend(const Layout& L, const Item& it, const Item* next, const QT* q, const KT* k_cache,
+            const KT* v_cache, QT* out, float* partials) {
   using Kind = typename KindFor<QT, KT>::type;
   using A = typename Kind::AType;
   constexpr int step = Kind::kStep;  // 2: bf16 blocks hold rows in interleaved pairs
@@ -217,12 +220,21 @@ void attend(const Layout& L, const Item& it, const QT* q, const KT* k_cache, con
     const int nblk = (ntok + BS - 1) / BS;
     const int ncols = nblk * bvec;
     const int first_block = t0 / BS;
-    const int next_blocks = t1 < limit ? (std::min(limit, t1 + tile) - t1 + BS - 1) / BS : 0;
+    // The blocks of the next tile: this item's, or after its last one the first of the item
+    // this thread takes next, so that no item starts cold.
+    const int32_t* next_table = table + t1 / BS;
+    int next_blocks = t1 < limit ? (std::min(limit, t1 + tile) - t1 + BS - 1) / BS : 0;
+    if (t1 >= limit && next != nullptr) {
+      const int next_q0 = L.query_start[next->seq];
+      const int next_limit = std::min(next->kv_end, L.seq_lens[next->seq] - (L.query_start[next->seq + 1] - next_q0) + next->q_end);
+      next_table = L.block_tables + next->seq * L.table_stride + next->kv_begin / BS;
+      next_blocks = (std::min(next_limit - next->kv_begin, tile) + BS - 1) / BS;
+    }
 
     // Ask for the next tile's keys while this one's scores compute (random 2 KB reads went
     // from 10 to 24 GB/s with a prefetch a few blocks ahead, measured).
-    prefetch_blocks<KT>(k_cache, table + t1 / BS, next_blocks, KVH * head_elems);
     for (int h = 0; h < KVH; ++h) {
+      prefetch_head<KT>(k_cache, next_table, next_blocks, KVH, h, head_elems);
       // Scores S[r][j] = q_r . k_j: columns are the tile's keys, block by block.
       for (int j = 0; j < nblk; ++j) {
         const KT* base = k_cache + (int64_t(table[first_block + j]) * KVH + h) * head_elems;
@@ -264,8 +276,8 @@ void attend(const Layout& L, const Item& it, const QT* q, const KT* k_cache, con
     }
 
     // O += P V: rows are the tile's keys, one segment per block.
-    prefetch_blocks<KT>(v_cache, table + t1 / BS, next_blocks, KVH * head_elems);
     for (int h = 0; h < KVH; ++h) {
+      prefetch_head<KT>(v_cache, next_table, next_blocks, KVH, h, head_elems);
       for (int j = 0; j < nblk; ++j) {
         const KT* base = v_cache + (int64_t(table[first_block + j]) * KVH + h) * head_elems;
         for (int c = 0; c < dvec; ++c) cols[j * dvec + c] = base + c * kWidth * step;
@@ -330,8 +342,14 @@ void run(const Layout& L, int num_seqs, const at::Tensor& q, const at::Tensor& k
   QT* op = reinterpret_cast<QT*>(out.data_ptr());
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1))
-      attend<QT, KT>(L, items[i], qp, kp, vp, op, partials.get());
+    // Each thread claims its next item before finishing this one, to prefetch its first keys.
+    size_t i = next.fetch_add(1);
+    while (i < items.size()) {
+      const size_t j = next.fetch_add(1);
+      const Item* after = j < items.size() ? &items[j] : nullptr;
+      attend<QT, KT>(L, items[i], after, qp, kp, vp, op, partials.get());
+      i = j;
+    }
   });
   if (!splits.empty()) {
     at::parallel_for(0, int64_t(splits.size()), 1, [&](int64_t begin, int64_t end) {

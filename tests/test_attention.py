@@ -236,6 +236,31 @@ def test_reference_random_layouts():
         check(step, run(step, "reference"), *TOLERANCE[torch.float32])
 
 
+def test_reference_custom_op_matches():
+    """The op compiled models call on the PyTorch path (no workspace: it allocates)."""
+    step = random_step(random.Random(1), [1, 4, 1, 6], [9, 0, 3, 5], padding=2)
+    layout = AttentionLayout(
+        16, step.expected_keys.shape[0] - 1, torch.float32, step.q.device, False
+    )
+    r = layout.build(step.seqs, step.slots).reference
+    out = torch.ops.quill_reference.paged_attention(
+        step.q,
+        step.k,
+        step.v,
+        step.k_cache,
+        step.v_cache,
+        step.slots,
+        r.decode_tables,
+        r.decode_bias,
+        r.prefill_index,
+        r.prefill_rows,
+        r.prefill_tables,
+        r.prefill_bias,
+        step.scale,
+    )
+    check(step, out, *TOLERANCE[torch.float32])
+
+
 @needs_native
 def test_native_ops_pass_opcheck():
     step = random_step(random.Random(5), [1, 6, 1], [20, 9, 3], kv_dtype=torch.bfloat16)

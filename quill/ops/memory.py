@@ -1,13 +1,16 @@
 """Large CPU tensors on transparent huge pages: the KV cache and the bandwidth probe's buffer.
 
 Decode attention reads 16-token blocks scattered over the whole KV pool, and on a virtual
-machine every TLB miss walks two page tables: with 4 KiB pages a plain read of 256 MiB ran at
-20-27 GB/s on the Zen 4 here, with 2 MiB pages at 28-34 (docs/benchmarks.md). torch's CPU
+machine every TLB miss walks two page tables: on the Zen 4 here a plain read of 256 MiB ran at
+20-27 GB/s on 4 KiB pages against 28-34 on 2 MiB pages in one run (equal, 22 GB/s, in another:
+the VM's bandwidth drifts), and the attention kernel 6-8% faster interleaved. torch's CPU
 allocator asks for huge pages only when `THP_MEM_ALLOC_ENABLE=1` is set before it first
 allocates, which quill cannot promise, so these tensors are mapped here instead: anonymous
-memory advised `MADV_HUGEPAGE` (the kernel's `madvise` mode, the common default), zero-filled
-by the kernel and committed page by page as it is first written. Elsewhere (no `madvise`, or
-a GPU) they are plain `torch.zeros`.
+memory advised `MADV_HUGEPAGE` (the kernel's `madvise` mode, the common default). Every page is
+written once here, at allocation: with the kernel's default `defrag=madvise` the first touch of
+a huge page may compact memory first (2.3 s per GiB measured on a fresh VM, 0.1-0.7 s later,
+against 0.4 s for small pages), a stall that must happen at start-up, never in a step that
+takes a fresh block. Elsewhere (no `madvise`, or a GPU) these are plain `torch.zeros`.
 """
 
 from __future__ import annotations
@@ -38,4 +41,5 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     offset = -ctypes.addressof(view) % HUGE_PAGE
     del view  # a live export would keep the mapping from ever closing
     # The tensor keeps the mapping alive; it is unmapped when the last view goes.
-    return torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
+    tensor = torch.frombuffer(region, dtype=dtype, count=numel, offset=offset).view(shape)
+    return tensor.zero_()  # commit every page now (already zero: this only faults them in)

@@ -306,43 +306,17 @@ def _paged_attention(
     return out
 
 
-def _compiled_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    decode_tables: torch.Tensor | None,
-    decode_bias: torch.Tensor | None,
-    prefill_index: torch.Tensor | None,
-    prefill_rows: torch.Tensor | None,
-    prefill_tables: torch.Tensor | None,
-    prefill_bias: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    return _paged_attention(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        decode_tables,
-        decode_bias,
-        prefill_index,
-        prefill_rows,
-        prefill_tables,
-        prefill_bias,
-        scale,
-    )
-
-
-# Opaque to torch.compile, which compiles the dense rest of the model around it.
+# Opaque to torch.compile, which compiles the dense rest of the model around it; the workspace
+# is no tensor, so compiled steps allocate their gathers.
 _compiled_op = torch.library.custom_op(
     "quill_reference::paged_attention",
-    _compiled_attention,
+    lambda *args: _paged_attention(*args),
     mutates_args=("k_cache", "v_cache"),
+    schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor? decode_tables, Tensor? decode_bias, Tensor? prefill_index, "
+        "Tensor? prefill_rows, Tensor? prefill_tables, Tensor? prefill_bias, float scale) -> Tensor"
+    ),
 )
 
 
@@ -352,4 +326,4 @@ def _(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def _paged_attention_op(*args) -> torch.Tensor:
-    return _compiled_op(*args[:-1])  # the workspace is not a tensor: compiled steps allocate
+    return _compiled_op(*args[:-1])
