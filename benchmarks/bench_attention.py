@@ -38,15 +38,16 @@ from quill.model.attention import AttentionLayout, paged_attention  # noqa: E402
 from quill.ops import library, memory, probe  # noqa: E402
 from quill.ops.reference import kv_cache_shapes  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 
 
 class Case:
     """One step's attention: `batch` sequences of `context` keys, `q_len` new tokens each."""
 
-    def __init__(self, name, batch, context, q_len, q_dtype, kv_dtype, seed=0):
+    def __init__(self, name, batch, context, q_len, q_dtype, kv_dtype, block=16, scatter=True):
         self.name, self.batch, self.context, self.q_len = name, batch, context, q_len
-        rng = random.Random(seed)
+        BLOCK = block
+        rng = random.Random(0)
         blocks_per_seq = -(-context // BLOCK)
         num_blocks = batch * blocks_per_seq + 8
         k_shape, v_shape = kv_cache_shapes(num_blocks + 1, KV_HEADS, HEAD_DIM, BLOCK, kv_dtype)
@@ -64,7 +65,8 @@ class Case:
             self.layers.append((k_cache, v_cache))
         self.calls = 0
         free = list(range(num_blocks))
-        rng.shuffle(free)
+        if scatter:  # a long-running pool's blocks; a fresh pool hands out consecutive ones
+            rng.shuffle(free)
         start = context - q_len
         self.seqs = [
             SeqPlan(
@@ -115,6 +117,12 @@ def main() -> None:
     )
     parser.add_argument("--q-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--consecutive-blocks",
+        action="store_true",
+        help="each sequence's blocks consecutive in memory (a fresh pool), not scattered",
+    )
     parser.add_argument("--reps", type=int, default=LAYERS, help="calls per side per round")
     parser.add_argument("--skip-reference", action="store_true", help="native kernel only")
     parser.add_argument("--json", default=None)
@@ -123,21 +131,27 @@ def main() -> None:
     if lib is None:
         raise SystemExit("no native library for this CPU: run `make setup`")
     q_dtype, kv_dtype = getattr(torch, args.q_dtype), getattr(torch, args.kv_dtype)
-    cases = [
-        Case("decode 1 x 1500", 1, 1500, 1, q_dtype, kv_dtype),
-        Case("decode 16 x 1500", 16, 1500, 1, q_dtype, kv_dtype),
-        Case("decode 64 x 1500", 64, 1500, 1, q_dtype, kv_dtype),
-        Case("decode 16 x 8000", 16, 8000, 1, q_dtype, kv_dtype),
-        Case("prompt 2000 (no context)", 1, 2000, 2000, q_dtype, kv_dtype),
-        Case("chunk 512 over 512", 1, 1024, 512, q_dtype, kv_dtype),
-        Case("chunk 512 over 1536", 1, 2048, 512, q_dtype, kv_dtype),
+    shapes = [
+        ("decode 1 x 1500", 1, 1500, 1),
+        ("decode 16 x 1500", 16, 1500, 1),
+        ("decode 64 x 1500", 64, 1500, 1),
+        ("decode 16 x 8000", 16, 8000, 1),
+        ("prompt 2000 (no context)", 1, 2000, 2000),
+        ("chunk 512 over 512", 1, 1024, 512),
+        ("chunk 512 over 1536", 1, 2048, 512),
     ]
+    scatter = not args.consecutive_blocks
+    cases = [Case(*shape, q_dtype, kv_dtype, args.block_size, scatter) for shape in shapes]
     sides = [True] if args.skip_reference else [True, False]
     best = {(c.name, s): float("inf") for c in cases for s in sides}
-    probes = {"one_thread": [], "all_threads": []}
+    # The paged cache's own pattern: scattered reads of one KV head's part of a block.
+    head_block = HEAD_DIM * args.block_size * kv_dtype.itemsize
+    probes = {"one_thread": [], "all_threads": [], f"all_threads_{head_block}B_chunks": []}
     for r in range(args.rounds):
         probes["one_thread"].append(probe.read_bandwidth(1))
         probes["all_threads"].append(probe.read_bandwidth())
+        chunked = probe.read_bandwidth(chunk_bytes=head_block)
+        probes[f"all_threads_{head_block}B_chunks"].append(chunked)
         for case in cases:
             order = sides if r % 2 == 0 else sides[::-1]
             for native in order:
@@ -146,14 +160,21 @@ def main() -> None:
                     best[case.name, native] = min(best[case.name, native], case.run(native))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     bw1, bw = max(probes["one_thread"]), max(probes["all_threads"])
+    paged = max(probes[f"all_threads_{head_block}B_chunks"])
     info = machine_info(torch.get_num_threads())
     threads = torch.get_num_threads()
     flags = " ".join(info["cpu_flags"])
     print(f"\n{info['cpu']} ({flags}), {threads} threads, library {lib.isa}")
     print(f"q {args.q_dtype}, KV {args.kv_dtype}; best of {args.rounds} rounds")
-    print(f"probe: one thread {bw1 / 1e9:.1f} GB/s, all threads {bw / 1e9:.1f} GB/s\n")
-    print("| case | native ms | native | of probe (all threads) | reference ms | native speed-up |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"probe: one thread {bw1 / 1e9:.1f} GB/s, all threads {bw / 1e9:.1f} GB/s; "
+        f"scattered {head_block}-byte chunks (all threads) {paged / 1e9:.1f} GB/s\n"
+    )
+    print(
+        "| case | native ms | native | of probe | of scattered chunks | reference ms | "
+        "native speed-up |"
+    )
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for case in cases:
         t = best[case.name, True]
@@ -162,9 +183,13 @@ def main() -> None:
         rate = case.kv_bytes / t if decode else case.flops / t
         shown = f"{rate / 1e9:.1f} GB/s" if decode else f"{rate / 1e9:.0f} GFLOP/s"
         share = f"{rate / bw:.0%}" if decode else ""
+        share_paged = f"{rate / paged:.0%}" if decode else ""
         ref_ms = f"{ref * 1e3:.2f}" if ref else ""
         gain = f"{ref / t:.1f}x" if ref else ""
-        print(f"| {case.name} | {t * 1e3:.3f} | {shown} | {share} | {ref_ms} | {gain} |")
+        print(
+            f"| {case.name} | {t * 1e3:.3f} | {shown} | {share} | {share_paged} | {ref_ms} | "
+            f"{gain} |"
+        )
         rows.append(
             {
                 "case": case.name,
@@ -174,6 +199,7 @@ def main() -> None:
                 "flops": case.flops,
                 "native_rate": rate,
                 "fraction_of_probe": rate / bw if decode else None,
+                "fraction_of_scattered_probe": rate / paged if decode else None,
             }
         )
     if args.json:

@@ -24,7 +24,7 @@ TORCH_LIBRARY(quill, m) {
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float scale) -> Tensor");
-  m.def("read_probe(Tensor buffer, int num_threads, int repeats) -> Tensor");
+  m.def("read_probe(Tensor buffer, int num_threads, int repeats, int chunk_bytes=0) -> Tensor");
   m.def("isa() -> str", &quill::isa);
   m.def("attention_kernel(ScalarType q_dtype, ScalarType kv_dtype) -> str", &quill::attention_kernel);
 }

@@ -31,8 +31,10 @@ std::string attention_kernel(at::ScalarType q_dtype, at::ScalarType kv_dtype);
 
 // Reads `buffer` (fp32) `repeats` times with `num_threads` threads (1, or all of torch's) and
 // returns [best seconds of one read, checksum] as float64: the machine's read bandwidth, which
-// each kernel's achieved rate is judged against.
-at::Tensor read_probe(const at::Tensor& buffer, int64_t num_threads, int64_t repeats);
+// each kernel's achieved rate is judged against. chunk_bytes > 0 reads it in chunks of that
+// size in a scattered order, prefetched as the attention kernel prefetches its blocks.
+at::Tensor read_probe(const at::Tensor& buffer, int64_t num_threads, int64_t repeats,
+                      int64_t chunk_bytes);
 
 // "avx2" or "avx512": the instruction set this library was compiled for.
 std::string isa();

@@ -1,5 +1,6 @@
 // A read-bandwidth probe: how fast this machine streams memory into registers, with one thread
-// and with all of torch's. Every kernel's achieved rate is reported as a fraction of it.
+// and with all of torch's, in one sequential pass or in scattered chunks the size of a paged
+// cache's blocks. Every kernel's achieved rate is reported as a fraction of it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,25 +32,54 @@ float read_range(const float* p, int64_t begin, int64_t end) {
   return vsum(a[0]) + tail;
 }
 
+// Chunks of `chunk` floats in a scattered order (chunk c at (c * stride) mod count, stride
+// coprime to count), each prefetched two chunks ahead: how a paged cache's blocks are read.
+float read_chunks(const float* p, int64_t chunk, int64_t count, int64_t stride, int64_t begin, int64_t end) {
+  float total = 0.0f;
+  auto at = [&](int64_t c) { return p + ((c * stride) % count) * chunk; };
+  for (int64_t c = begin; c < end; ++c) {
+    if (c + 2 < end) {
+      const char* next = reinterpret_cast<const char*>(at(c + 2));
+      for (int64_t off = 0; off < chunk * int64_t(sizeof(float)); off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+    }
+    total += read_range(at(c), 0, chunk);
+  }
+  return total;
+}
+
+int64_t gcd(int64_t a, int64_t b) { return b == 0 ? a : gcd(b, a % b); }
+
 }  // namespace
 
-at::Tensor read_probe(const at::Tensor& buffer, int64_t num_threads, int64_t repeats) {
+at::Tensor read_probe(const at::Tensor& buffer, int64_t num_threads, int64_t repeats, int64_t chunk_bytes) {
   TORCH_CHECK(buffer.scalar_type() == at::kFloat && buffer.is_contiguous(), "quill::read_probe: buffer must be contiguous fp32");
   TORCH_CHECK(num_threads >= 1 && repeats >= 1, "quill::read_probe: num_threads and repeats must be positive");
+  TORCH_CHECK(chunk_bytes >= 0 && chunk_bytes % 256 == 0, "quill::read_probe: chunk_bytes must be a multiple of 256");
   const float* p = buffer.data_ptr<float>();
-  const int64_t n = buffer.numel();
+  const int64_t chunk = chunk_bytes / int64_t(sizeof(float));
+  const int64_t n = chunk ? buffer.numel() / chunk * chunk : buffer.numel();
+  const int64_t count = chunk ? n / chunk : 0;
+  int64_t stride = 7919;  // a prime; stepped until coprime to the chunk count
+  while (count && gcd(stride, count) != 1) stride += 2;
   const int threads = num_threads == 1 ? 1 : at::get_num_threads();
   double best = std::numeric_limits<double>::infinity();
   double checksum = 0.0;
   std::vector<float> partial(threads, 0.0f);
   for (int64_t r = 0; r < repeats; ++r) {
     auto start = std::chrono::steady_clock::now();
+    auto part = [&](int t) {
+      if (!chunk) {
+        const int64_t per = (n + threads - 1) / threads;
+        return read_range(p, t * per, std::min(n, (t + 1) * per));
+      }
+      const int64_t per = (count + threads - 1) / threads;
+      return read_chunks(p, chunk, count, stride, t * per, std::min(count, (t + 1) * per));
+    };
     if (threads == 1) {
-      partial[0] = read_range(p, 0, n);
+      partial[0] = part(0);
     } else {
-      const int64_t per = (n + threads - 1) / threads;
       at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) partial[t] = read_range(p, t * per, std::min(n, (t + 1) * per));
+        for (int64_t t = begin; t < end; ++t) partial[t] = part(int(t));
       });
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

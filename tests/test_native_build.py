@@ -76,3 +76,20 @@ def test_unrunnable_isa_is_refused(monkeypatch):
     assert library._choose_isa() is None
     assert library.runnable_isas(frozenset({"avx2", "fma"})) == []  # F16C missing
     assert library.runnable_isas(frozenset({"avx2", "fma", "f16c"})) == ["avx2"]
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("chunk_bytes", [0, 1024, 6144])
+def test_probe_reads_every_element_once(threads, chunk_bytes):
+    import torch
+
+    buffer = torch.arange(3 * 6144, dtype=torch.float32) % 7  # sum known exactly in fp32
+    seconds, checksum = torch.ops.quill.read_probe(buffer, threads, 3, chunk_bytes).tolist()
+    assert seconds > 0
+    read = (
+        buffer
+        if not chunk_bytes
+        else buffer[: buffer.numel() // (chunk_bytes // 4) * (chunk_bytes // 4)]
+    )
+    assert checksum == 3 * read.sum().item()

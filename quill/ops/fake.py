@@ -21,5 +21,5 @@ def _paged_attention(
 
 
 @torch.library.register_fake("quill::read_probe")
-def _read_probe(buffer, num_threads, repeats) -> torch.Tensor:
+def _read_probe(buffer, num_threads, repeats, chunk_bytes=0) -> torch.Tensor:
     return buffer.new_empty(2, dtype=torch.float64)
