@@ -55,7 +55,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quill-variants", default="auto", help="e.g. fp32,bf16,int8,bf16+int8")
+    parser.add_argument(
+        "--quill-variants",
+        default="default",
+        help="e.g. default,fp32,bf16,int8,bf16+int8 ('default': LLM() as a user gets it)",
+    )
     parser.add_argument("--llama-types", default="f32,q8_0", help="GGUF types: f32,bf16,q8_0,q4_1")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-llama", action="store_true")
@@ -100,7 +104,7 @@ def main() -> None:
         kv_per_token = ModelConfig.from_hf_dict(json.load(f)).kv_bytes_per_token
     quill_cols = []
     for v in variants:
-        element = 2 if parse_variant(v)["dtype"] in ("bfloat16", "float16") else 4
+        element = 2 if parse_variant(v).get("dtype") in ("bfloat16", "float16") else 4
         kv_memory = args.kv_cache_memory or max(
             1 << 28, int(1.1 * kv_tokens * kv_per_token * element) + (64 << 20)
         )

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 
 namespace quill {
@@ -35,6 +36,37 @@ std::string attention_kernel(at::ScalarType q_dtype, at::ScalarType kv_dtype);
 // size in a scattered order, prefetched as the attention kernel prefetches its blocks.
 at::Tensor read_probe(const at::Tensor& buffer, int64_t num_threads, int64_t repeats,
                       int64_t chunk_bytes);
+
+// x [rows, K] (fp32, bf16 or fp16) times int8 weights in blocks of 32 (GGUF's Q8_0), packed
+// by quill/ops/qlinear.py: codes [N/16, K/4, 16, 4], fp16 scales and int16 code sums
+// [N/16, K/32, 16]. The activations are quantized to int8 per row and block; fp32 sums.
+// Returns [rows, N] in out_dtype (x's dtype when not given).
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& sums, const std::optional<at::Tensor>& bias,
+                     std::optional<at::ScalarType> out_dtype);
+
+// The small ops of a decoder layer (fused.cpp), rounding where PyTorch's sequences round.
+// rms_norm: weight * T(x * rsqrt(mean(x^2) + eps)) per row. add_rms_norm: residual += x (in
+// place), then the norm of residual. rope: q and k [tokens, heads, head_dim] rotated in place
+// by cos and sin [tokens, head_dim] (rotate_half form). silu_mul: T(silu(gate)) * up.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+void rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+
+// A decoder layer on int8 weights (layer.cpp): residual += x, norm, q/k/v, rope, attention
+// (writing the step's keys and values), o, residual += o, norm, gate/up, SiLU x up, down.
+// Each weight is [codes, scales, sums] as q8_linear takes them; returns the down projection
+// (not yet added to the residual).
+at::Tensor q8_decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& input_norm,
+                            const at::Tensor& post_norm, double eps, at::TensorList qkv,
+                            at::TensorList o, at::TensorList gate_up, at::TensorList down,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, double scale);
 
 // "avx2" or "avx512": the instruction set this library was compiled for.
 std::string isa();

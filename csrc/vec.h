@@ -46,6 +46,7 @@ inline void vstore(fp16* p, vfloat v) {
 }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
@@ -96,6 +97,7 @@ inline void vstore(fp16* p, vfloat v) {
 }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
 inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vdiv(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
 inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }

@@ -13,7 +13,7 @@ from torch import nn
 from quill import LLM, SamplingParams
 from quill.model.linear import MergedLinear
 from quill.model.quant import INT4_GROUP, QuantizedLinear
-from tests.conftest import PROMPTS
+from tests.conftest import NATIVE, PROMPTS
 
 
 @pytest.mark.parametrize("method, levels", [("int8", 127), ("int4", 15)])
@@ -67,7 +67,8 @@ def _quantized_llm(model_dir, method):
 def test_int8_greedy_tokens_equal_float(model_dir, float_outputs):
     """Equal over 16 tokens, up to a near tie of either model.
 
-    The int8 kernel takes bf16 activations, so its logits move by up to ~0.1 nats, and a
+    The int8 kernel quantizes the activations to int8 too (per block of 32), and the output
+    head is int8 as well, so the logits move by up to ~0.1 nats, and a
     choice either model makes by less than 0.1 nats (the float model has two such ties on the
     reference prompts, one of 0.085 nats at its 4th token; the int8 one a 0.05-nat tie on the
     300-word prompt, which rounding elsewhere, attention's kernel say, tips either way) may
@@ -88,6 +89,23 @@ def test_int8_greedy_tokens_equal_float(model_dir, float_outputs):
         assert got.outputs[0].token_ids[:length] == want_tokens[:length]
     # Ties are rare: most tokens are compared (88 of 128 here, the first tie ends a prompt).
     assert compared >= 0.6 * 16 * len(PROMPTS)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
+def test_int8_layer_op_equals_the_op_by_op_path(model_dir):
+    """quill::q8_decoder_layer calls the same kernels as the layer's modules do one by one:
+    the same log-probabilities to the bit, for decodes and prompt chunks."""
+    llm = _quantized_llm(model_dir, "int8")
+    layers = llm.engine.runner.model.layers
+    assert all(layer._int8_weights() is not None for layer in layers)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+    fused_out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    for layer in layers:
+        layer._int8_cache = None  # the op-by-op path
+    plain_out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    for a, b in zip(fused_out, plain_out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def _top2_margin(logprobs: dict[int, float]) -> float:

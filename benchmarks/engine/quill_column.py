@@ -17,6 +17,17 @@ from quill import LLM, SamplingParams
 from .variants import QUANT_CLASS, TORCH_CLASS, parse_variant, prompt_ids
 
 
+def _chosen_quantization(runner) -> tuple[str, int | None] | None:
+    """(method, max_rows) of the model's quantized layers, None when it kept its float ones."""
+    from quill.model.quant import QuantizedLinear
+
+    model = getattr(runner, "model", None)
+    for module in model.modules() if model is not None else ():
+        if isinstance(module, QuantizedLinear):
+            return module.method, module.max_rows
+    return None
+
+
 def long_slack(batch: int, context: int, budget: int | None) -> int:
     """Tokens the first sequences can decode while the last ones still prefill: the steps of
     chunked prefill (each step's budget shared with the running decodes), plus a margin."""
@@ -33,10 +44,19 @@ class QuillColumn:
         engine = self.llm.engine
         self.dtype = engine.dtype
         quant = self.options.get("quantization")
+        chosen = _chosen_quantization(engine.runner)
+        if variant == "default":  # paired with its small steps' storage (int8: Q8_0)
+            quant = chosen[0] if chosen else None
         self.precision = QUANT_CLASS.get(quant, TORCH_CLASS.get(self.dtype, str(self.dtype)))
-        self.name = f"quill-{variant}"
-        if variant == "auto" or quant == "auto":
-            self.name += f" ({str(self.dtype).removeprefix('torch.')})"
+        # Every column says what it pins and what quill chose: "quill-auto" pins quantization
+        # none, which is not the engine's default (quantization auto), "default" pins nothing.
+        dtype = str(self.dtype).removeprefix("torch.")
+        picked = f", {chosen[0]} up to {chosen[1]} rows" if chosen and chosen[1] else ""
+        if variant == "default":
+            self.name = f"quill-default ({dtype}{picked})"
+        else:
+            pinned = self.options.get("quantization", "none")
+            self.name = f"quill-{variant} ({dtype}, quantization={pinned}{picked})"
         self.weight_bytes = _held_bytes(getattr(engine.runner, "model", None))
         caches = getattr(engine.runner, "kv_caches", None)
         self.kv_element_size = (

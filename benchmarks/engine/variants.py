@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 # A variant is '+'-joined parts: a dtype and/or a quantization, e.g. "fp32", "bf16", "int8",
-# "bf16+int8"; "qauto" asks quill to choose the quantization (quantization="auto").
+# "bf16+int8" (any part left out is pinned: dtype "auto", quantization "none"); "qauto" asks
+# quill to choose the quantization (quantization="auto"). "default" pins nothing.
 DTYPES = {
     "auto": "auto",
     "fp32": "float32",
@@ -35,7 +36,10 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 def parse_variant(text: str) -> dict:
-    """'bf16+int8' -> {'dtype': 'bfloat16', 'quantization': 'int8'}; no part: not quantized."""
+    """'bf16+int8' -> {'dtype': 'bfloat16', 'quantization': 'int8'}; no part: not quantized.
+    'default' -> {}: `LLM()` exactly as a user gets it, every option at its default."""
+    if text.lower() == "default":
+        return {}
     options: dict = {"dtype": "auto", "quantization": "none"}
     for part in text.lower().replace("-", "+").split("+"):
         if part in DTYPES:

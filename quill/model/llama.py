@@ -18,19 +18,22 @@ from quill.errors import ModelLoadError
 from quill.model.attention import AttentionMetadata, paged_attention
 from quill.model.config import ModelConfig
 from quill.model.linear import MergedLinear
+from quill.ops import fused
 
 
 class RMSNorm(nn.Module):
+    """`norm(x)`, or `norm(x, residual)`: residual += x in place, and the norm of the sum (one
+    native op where the library runs: quill/ops/fused.py)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is None:
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -59,11 +62,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ModelLoadError(f"unsupported rope_scaling type {kind!r}")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -86,22 +84,81 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (for the first
+        layer, the embeddings and a zero residual). Returns (output, residual)."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(self.input_layernorm(x))
+        weights = self._int8_weights()
+        if weights is not None and n <= weights[-1] and meta.reference is None:
+            return self._int8_layer(x, residual, cos, sin, kv_cache, meta, weights[:-1]), residual
+        q, k, v = self.qkv_proj(self.input_layernorm(x, residual))
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = fused.rope(q, k, cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        x = x + self.o_proj(attn.view(n, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x))
-        return x + self.down_proj(F.silu(gate) * up)
+        h = self.post_attention_layernorm(self.o_proj(attn.view(n, self.q_size)), residual)
+        gate, up = self.gate_up_proj(h)
+        return self.down_proj(fused.silu_mul(gate, up)), residual
+
+    def _int8_weights(self) -> tuple | None:
+        """The layer's int8 weights for quill::q8_decoder_layer, and the rows up to which they
+        are used; None where the layer does not qualify (float or int4 weights, biases, no
+        native library). Looked up once: quantization happens before the first step."""
+        if not hasattr(self, "_int8_cache"):
+            self._int8_cache = _int8_layer_weights(self)
+        return self._int8_cache
+
+    def _int8_layer(self, x, residual, cos, sin, kv_cache, meta, weights) -> torch.Tensor:
+        qkv, o, gate_up, down = weights
+        k_cache, v_cache = kv_cache
+        return torch.ops.quill.q8_decoder_layer(
+            x,
+            residual,
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            qkv,
+            o,
+            gate_up,
+            down,
+            self.num_heads,
+            self.num_kv_heads,
+            self.gate_up_proj.parts[0],
+            cos,
+            sin,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+        )
+
+
+def _int8_layer_weights(layer: DecoderLayer) -> tuple | None:
+    from quill.model.quant import QuantizedLinear
+
+    linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if not all(
+        isinstance(m, QuantizedLinear) and m.method == "int8" and m.native and m.bias is None
+        for m in linears
+    ):
+        return None
+    if len({m.max_rows for m in linears}) != 1 or not fused.use_native(norms[0]):
+        return None
+    if norms[0].dtype != norms[1].dtype:
+        return None
+    max_rows = linears[0].max_rows
+    weights = tuple([m.q8.codes, m.q8.scales, m.q8.sums] for m in linears)
+    return (*weights, max_rows if max_rows is not None else 1 << 62)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,11 +196,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # Like the reference, rotary tables are computed in fp32 and rounded to the model's dtype.
-        cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(x.dtype).unsqueeze(1)
+        cos = self.cos_cache[positions].to(x.dtype)
+        sin = self.sin_cache[positions].to(x.dtype)
+        residual = torch.zeros_like(x)  # 0 + x is x: every layer adds into the residual
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return x
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding table is the output head

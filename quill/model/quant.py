@@ -1,16 +1,17 @@
 """Weight-only quantization by swapping the model's linear modules (the model code is untouched).
 
 A decode step at a small batch reads every weight once for a handful of rows, so its time is the
-weights' bytes: int8 reads a quarter of fp32's, int4 an eighth. PyTorch's CPU kernels for it
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) want bf16 activations (with fp32 ones the
-int8 kernel is 10-60x slower), so a quantized module casts in and out and the model keeps its
-own dtype. At large batches the step is arithmetic, and there the float weights win; a module can
-keep them and use them above `max_rows` rows ("a quantized copy for small batches").
+weights' bytes: int8 reads a quarter of fp32's, int4 an eighth. At large batches the step is
+arithmetic, and there the float weights win; a module can keep them and use them above
+`max_rows` rows ("a quantized copy for small batches").
 
-- int8: symmetric, one scale per output channel.
+- int8: GGUF's Q8_0, one fp16 scale per row and block of 32 inputs, multiplied by quill's native
+  kernel (csrc/qlinear.cpp: activations quantized to int8 per block, integer dot products).
+  Without the native library (or on a GPU) the module multiplies by the dequantized weight,
+  correct but no faster than float.
 - int4: asymmetric, one scale and zero per group of 32 input columns (as GGUF's Q4_1, so the default
-  model's own 4-bit weights come back nearly exactly).
-On GPUs the same modules dequantize the weight on the fly (correct, not yet fast).
+  model's own 4-bit weights come back nearly exactly), through PyTorch's
+  `_weight_int4pack_mm_for_cpu` (bf16 activations).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quill.ops import library, qlinear
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +43,11 @@ class QuantizedLinear(nn.Module):
         # Rows above which the float weight is faster (None: always quantized, float dropped).
         self.max_rows = max_rows
         self.float_weight = linear.weight.detach() if max_rows is not None else None
+        # The dequantized weight, made on first use where the native kernel cannot run.
+        self._fallback: torch.Tensor | None = None
         if method == "int8":
-            scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
-            self.weight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
-            self.scales = scales.to(torch.bfloat16)
+            self.q8 = qlinear.pack(*qlinear.quantize_q8_0(weight))
+            self.native = weight.device.type == "cpu" and library.load() is not None
         elif method == "int4":
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}")
@@ -70,27 +74,29 @@ class QuantizedLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The float weight the quantized one stands for (fp32)."""
         if self.method == "int8":
-            return self.weight.float() * self.scales.float()[:, None]
+            return self.q8.dequantized()
         groups = self.codes.view(self.out_features, -1, INT4_GROUP).float()
         scale = self.scales_and_zeros[..., 0].t().float().unsqueeze(-1)
         zero = self.scales_and_zeros[..., 1].t().float().unsqueeze(-1)
         return ((groups - 8) * scale + zero).view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        y = self._product(x)
+        return y if self.parts is None else list(y.split(self.parts, dim=-1))
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.max_rows is not None and x.shape[0] > self.max_rows:
-            y = F.linear(x, self.float_weight)
-        elif x.device.type != "cpu":
-            y = F.linear(x, self.dequantized().to(x.dtype))
-        elif self.method == "int8":
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scales)
-        else:
+            return F.linear(x, self.float_weight, self.bias)
+        if self.method == "int8" and self.native and x.dim() == 2:
+            return qlinear.native_q8_linear(x, self.q8, self.bias)
+        if self.method == "int4" and x.device.type == "cpu":
             y = torch._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.weight, INT4_GROUP, self.scales_and_zeros
-            )
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y if self.parts is None else list(y.split(self.parts, dim=-1))
+            ).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        if self._fallback is None or self._fallback.dtype != x.dtype:
+            self._fallback = self.dequantized().to(x.device, x.dtype)
+        return F.linear(x, self._fallback, self.bias)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -102,15 +108,23 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     ]
 
 
-def quantize_model(model: nn.Module, method: str, max_rows: int | None = None) -> None:
-    """Swap the decoder layers' linear modules for quantized ones, in place.
-
-    The output head stays in float: the int8 kernel returns bf16, and logits rounded to bf16
-    (steps of 0.06 at 10) turned clear greedy choices into ties on the reference prompts.
-    """
+def quantize_model(
+    model: nn.Module, method: str, max_rows: int | None = None, head: bool = False
+) -> None:
+    """Swap the decoder layers' linear modules for quantized ones, in place; with `head`, the
+    output head too (for a tied model, a quantized copy of the embedding table, which the
+    embedding lookup keeps using in float)."""
     for layer in model.layers:
         for parent, name, linear in _linears(layer):
             setattr(parent, name, QuantizedLinear(linear, method, max_rows))
+        layer.__dict__.pop("_int8_cache", None)  # the layer looks its int8 weights up anew
+    if head:
+        linear = model.lm_head
+        if linear is None:
+            table = model.embed_tokens.weight
+            linear = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
+            linear.weight = table
+        model.lm_head = QuantizedLinear(linear, method, max_rows)
 
 
 def _best_time(fn, repeats: int = 5) -> float:

@@ -23,3 +23,34 @@ def _paged_attention(
 @torch.library.register_fake("quill::read_probe")
 def _read_probe(buffer, num_threads, repeats, chunk_bytes=0) -> torch.Tensor:
     return buffer.new_empty(2, dtype=torch.float64)
+
+
+@torch.library.register_fake("quill::q8_linear")
+def _q8_linear(x, codes, scales, sums, bias=None, out_dtype=None) -> torch.Tensor:
+    rows, n = x.shape[0], codes.shape[0] * codes.shape[2]  # codes [N/16, K/4, 16, 4]
+    return x.new_empty(rows, n, dtype=out_dtype or x.dtype)
+
+
+@torch.library.register_fake("quill::rms_norm")
+def _rms_norm(x, weight, eps) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("quill::add_rms_norm")
+def _add_rms_norm(x, residual, weight, eps) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("quill::rope")
+def _rope(q, k, cos, sin) -> None:
+    return None
+
+
+@torch.library.register_fake("quill::silu_mul")
+def _silu_mul(gate, up) -> torch.Tensor:
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("quill::q8_decoder_layer")
+def _q8_decoder_layer(x, residual, *args) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

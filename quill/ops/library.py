@@ -27,7 +27,15 @@ from quill.config import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("ops.cpp", "attention.cpp", "write_kv.cpp", "probe.cpp")
+SOURCES = (
+    "ops.cpp",
+    "attention.cpp",
+    "write_kv.cpp",
+    "probe.cpp",
+    "qlinear.cpp",
+    "fused.cpp",
+    "layer.cpp",
+)
 HEADERS = ("ops.h", "vec.h", "gemm.h", "cache_layout.h")
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")

@@ -1,0 +1,147 @@
+"""The weight products of a decode step: quill's Q8_0 kernel against PyTorch's, by rows.
+
+Why: at a small batch a decode step's time is its weight bytes, so the int8 kernel is judged by
+the rate it streams them at, against the read probe of the same run. One "pass" here is what
+a step multiplies: every layer's projections of the default model (q/k/v merged 960 x 576,
+o 576 x 576, gate/up merged 3072 x 576, down 576 x 1536; 30 layers, so nothing is read hot
+from the last-level cache), and, reported apart, the output head (49152 x 576). Each side
+runs its own weights in turn, alternating round by round, best of the rounds:
+
+- `q8`: quill::q8_linear (csrc/qlinear.cpp), 34 + 2 bytes per 32 weights;
+- `bf16`: F.linear on bf16 weights (PyTorch's CPU GEMM, oneDNN / MKL), 2 bytes per weight;
+- `int8pack`: torch._weight_int8pack_mm (per-channel int8, bf16 activations), the kernel
+  quill's int8 used before its own.
+
+Usage:
+
+    .venv/bin/python benchmarks/bench_qlinear.py [--rows 1,2,4,8,16] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engine.machine import machine_info  # noqa: E402
+from quill.ops import library, probe, qlinear  # noqa: E402
+
+LAYERS = 30
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD_SHAPE = (49152, 576)
+
+
+class Side:
+    """One way of multiplying, with its own copy of every weight of a pass."""
+
+    def __init__(self, name: str, shapes: list[tuple[int, int]], seed: int) -> None:
+        self.name = name
+        g = torch.Generator().manual_seed(seed)
+        self.weights, self.bytes = [], 0
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=g) * 0.05
+            if name == "q8":
+                packed = qlinear.pack(*qlinear.quantize_q8_0(w))
+                self.weights.append(packed)
+                self.bytes += sum(
+                    t.numel() * t.element_size() for t in (packed.codes, packed.scales, packed.sums)
+                )
+            elif name == "bf16":
+                self.weights.append(w.bfloat16())
+                self.bytes += n * k * 2
+            else:
+                scales = w.abs().amax(1) / 127
+                codes = torch.round(w / scales[:, None]).to(torch.int8)
+                self.weights.append((codes, scales.bfloat16()))
+                self.bytes += n * k + n * 2
+
+    def run(self, inputs: dict[int, torch.Tensor]) -> None:
+        for w in self.weights:
+            if self.name == "q8":
+                qlinear.native_q8_linear(inputs[w.in_features], w)
+            elif self.name == "bf16":
+                F.linear(inputs[w.shape[1]], w)
+            else:
+                torch._weight_int8pack_mm(inputs[w[0].shape[1]], *w)
+
+
+def timed(fn, repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sides", default="q8,bf16,int8pack")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    native = library.load()
+    if native is None:
+        raise SystemExit("needs the native library (`make setup`)")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    names = args.sides.split(",")
+    passes = {
+        "layers": {n: Side(n, LAYER_SHAPES * LAYERS, i) for i, n in enumerate(names)},
+        "head": {n: Side(n, [HEAD_SHAPE], 10 + i) for i, n in enumerate(names)},
+    }
+    best: dict = {}
+    probes = []
+    for r in range(args.rounds):
+        probes.append(probe.read_bandwidth())
+        order = names if r % 2 == 0 else names[::-1]
+        for rows in rows_list:
+            inputs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
+            for part, sides in passes.items():
+                for name in order:
+                    t = timed(lambda s=sides[name], x=inputs: s.run(x))
+                    key = (part, rows, name)
+                    best[key] = min(best.get(key, float("inf")), t)
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    bw = max(probes)
+    info = machine_info(torch.get_num_threads())
+    print(f"\n{info['cpu']} ({' '.join(info['cpu_flags'])}), {torch.get_num_threads()} threads")
+    print(f"library {native.isa}; probe (all threads) {bw / 1e9:.1f} GB/s; best of {args.rounds}\n")
+    header = "| pass | rows | " + " | ".join(f"{n} ms (GB/s, of probe)" for n in names)
+    header += " | q8 / bf16 time | q8 / int8pack time |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    rows_out = []
+    for part, sides in passes.items():
+        for rows in rows_list:
+            cells, record = [], {"pass": part, "rows": rows}
+            for name in names:
+                t = best[(part, rows, name)]
+                rate = sides[name].bytes / t
+                cells.append(f"{1e3 * t:.2f} ({rate / 1e9:.1f}, {100 * rate / bw:.0f}%)")
+                record[name] = {"seconds": t, "bytes": sides[name].bytes, "Bps": rate}
+            ratios = [
+                f"{best[(part, rows, 'q8')] / best[(part, rows, other)]:.2f}"
+                if other in names and "q8" in names
+                else ""
+                for other in ("bf16", "int8pack")
+            ]
+            print(f"| {part} | {rows} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+            rows_out.append(record)
+    if args.json:
+        info["command"] = " ".join(sys.argv)
+        out = {"machine": info, "library": native.isa, "probe_Bps": probes, "rows": rows_out}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

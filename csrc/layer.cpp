@@ -1,0 +1,52 @@
+// A whole decoder layer in one op, for steps small enough to run on int8 weights.
+//
+// At batch 1 a layer's products and attention take ~200 us, and calling its ~10 ops from
+// Python (module calls, the dispatcher, argument checks) added ~100 us more: a third of the
+// step. This op calls the same kernels (q8_linear, add_rms_norm, rope, paged_attention,
+// silu_mul) one after another from C++, so the numbers are those of the op-by-op path,
+// bit for bit; quill/model/llama.py takes it when every product of the layer is int8.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "ops.h"
+
+namespace quill {
+
+namespace {
+
+at::Tensor product(const at::Tensor& x, at::TensorList w, const char* what) {
+  TORCH_CHECK(w.size() == 3, "quill::q8_decoder_layer: ", what, " must be [codes, scales, sums]");
+  return q8_linear(x, w[0], w[1], w[2], std::nullopt, std::nullopt);
+}
+
+}  // namespace
+
+at::Tensor q8_decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& input_norm,
+                            const at::Tensor& post_norm, double eps, at::TensorList qkv,
+                            at::TensorList o, at::TensorList gate_up, at::TensorList down,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
+                            const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, double scale) {
+  const int64_t n = x.size(0), head_dim = cos.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor h = add_rms_norm(x, residual, input_norm, eps);
+  at::Tensor qkv_out = product(h, qkv, "qkv");
+  TORCH_CHECK(qkv_out.size(1) >= q_size + 2 * kv_size, "quill::q8_decoder_layer: qkv has ",
+              qkv_out.size(1), " outputs, fewer than q + k + v");
+  at::Tensor q = qkv_out.narrow(1, 0, q_size).view({n, num_heads, head_dim});
+  at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});
+  at::Tensor v = qkv_out.narrow(1, q_size + kv_size, kv_size).view({n, num_kv_heads, head_dim});
+  rope(q, k, cos, sin);
+  at::Tensor attn = paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
+                                    seq_lens, query_start_loc, scale);
+  at::Tensor o_out = product(attn.view({n, q_size}), o, "o");
+  h = add_rms_norm(o_out.narrow(1, 0, x.size(1)), residual, post_norm, eps);
+  at::Tensor gu = product(h, gate_up, "gate_up");
+  at::Tensor act = silu_mul(gu.narrow(1, 0, intermediate_size),
+                            gu.narrow(1, intermediate_size, intermediate_size));
+  return product(act, down, "down").narrow(1, 0, x.size(1));
+}
+
+}  // namespace quill

@@ -1,0 +1,81 @@
+"""A decoder layer's small operations: one native op each where the library runs, else the
+PyTorch sequence they replace (the reference the native ops are tested against).
+
+At a small batch these cost their operators, not their arithmetic: PyTorch runs RMSNorm as
+~8 operators and the rotary embedding as ~12, a few microseconds each, ~1,200 per step of the
+default model (csrc/fused.cpp). The native ops round where the PyTorch sequences round, so a
+model gives the same numbers through either path up to the order of a sum.
+
+`use_native(x)` is decided per tensor: the CPU, the library loaded, a dtype and row length the
+kernels take. The PyTorch functions are what runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quill.ops import library
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def use_native(x: torch.Tensor, multiple: int = 16) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _DTYPES
+        and x.shape[-1] % multiple == 0
+        and library.load() is not None
+    )
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalize in fp32, round to x's dtype, times the weight."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_native(x) and x.dim() == 2 and weight.dtype == x.dtype:
+        return torch.ops.quill.rms_norm(x, weight, eps)
+    return reference_rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x (in place); returns the RMSNorm of the sum."""
+    if use_native(x) and x.dim() == 2 and weight.dtype == x.dtype and x.stride(-1) == 1:
+        return torch.ops.quill.add_rms_norm(x, residual, weight, eps)
+    residual.add_(x)
+    return reference_rms_norm(residual, weight, eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by cos / sin [tokens, head_dim] (HF's form)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns q and k rotated: in place by the native op, as new tensors by PyTorch."""
+    half = q.shape[-1] // 2
+    if use_native(q) and cos.dtype == q.dtype and half % 16 == 0 and q.stride(-1) == 1:
+        torch.ops.quill.rope(q, k, cos, sin)
+        return q, k
+    return reference_rope(q, cos, sin), reference_rope(k, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if use_native(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        return torch.ops.quill.silu_mul(gate, up)
+    return F.silu(gate) * up

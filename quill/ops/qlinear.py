@@ -1,0 +1,117 @@
+"""int8 weights in blocks of 32 (GGUF's Q8_0): quantizing, packing for the native kernel, and
+the PyTorch code the kernel is checked against.
+
+A weight [N, K] becomes codes (int8, -127..127) and one fp16 scale per row and block of 32
+inputs: w ~ code * scale. `pack` lays them out as csrc/qlinear.cpp reads them (tiles of 16
+output rows, 4 inputs of each row side by side) and adds each block's code sum (the AVX-512
+kernel's u8 offset is corrected by it). `reference_q8_linear` computes what the kernel computes,
+activation quantization included, so a test can hold the kernel to float rounding; the
+PyTorch fallback for serving multiplies by the dequantized weight instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+TILE = 16
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp weight [N, K] -> (codes int8 [N, K], scales fp16 [N, K/32]), as GGUF's Q8_0 does."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 needs in_features divisible by {BLOCK}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(n, k), scale.to(torch.float16)
+
+
+@dataclass
+class PackedQ8:
+    """A Q8_0 weight in the native kernel's layout, its rows padded with zeros to tiles of 16
+    (the kernel returns the padded rows; `out_features` says how many are real)."""
+
+    codes: torch.Tensor  # int8 [N/16, K/4, 16, 4]
+    scales: torch.Tensor  # fp16 [N/16, K/32, 16]
+    sums: torch.Tensor  # int16 [N/16, K/32, 16]
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 4
+
+    @property
+    def padded_features(self) -> int:
+        return self.codes.shape[0] * TILE
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [N, K], scales [N, K/32]) back from the tiles."""
+        padded, k = self.padded_features, self.in_features
+        codes = self.codes.permute(0, 2, 1, 3).reshape(padded, k)
+        scales = self.scales.permute(0, 2, 1).reshape(padded, k // BLOCK)
+        return codes[: self.out_features], scales[: self.out_features]
+
+    def dequantized(self) -> torch.Tensor:
+        codes, scales = self.unpack()
+        n, k = codes.shape
+        blocks = codes.float().view(n, k // BLOCK, BLOCK) * scales.float()[..., None]
+        return blocks.view(n, k)
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor) -> PackedQ8:
+    out_features, k = codes.shape
+    if k % BLOCK:
+        raise ValueError(f"packing needs in_features divisible by {BLOCK}, got {k}")
+    pad = -out_features % TILE
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    scales = torch.nn.functional.pad(scales.to(torch.float16), (0, 0, 0, pad))
+    n, blocks = out_features + pad, k // BLOCK
+    tiled = codes.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
+    sums = codes.view(n, blocks, BLOCK).sum(-1, dtype=torch.int32).to(torch.int16)
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n // TILE, TILE, blocks).permute(0, 2, 1).contiguous()
+
+    return PackedQ8(tiled.contiguous(), per_tile(scales), per_tile(sums), out_features)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes [M, K/32, 32] as float, scales fp32 [M, K/32]), as the kernel does."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return torch.round(blocks * inverse[..., None]), scale
+
+
+def reference_q8_linear(
+    x: torch.Tensor, packed: PackedQ8, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The kernel's arithmetic in float64: exact integer block products, scaled and summed."""
+    codes, wscale = packed.unpack()
+    n, k = codes.shape
+    qa, ascale = quantize_activations(x)
+    qw = codes.double().view(n, k // BLOCK, BLOCK)
+    dots = torch.einsum("mbk,nbk->mnb", qa.double(), qw)
+    scale = wscale.float()[None, :, :] * ascale[:, None, :]  # fp32, as the kernel's product
+    y = (dots * scale.double()).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+def native_q8_linear(
+    x: torch.Tensor,
+    packed: PackedQ8,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The native kernel on x [M, K], its padded rows cut off (needs the native library)."""
+    padded = packed.padded_features
+    if bias is not None and bias.numel() != padded:
+        bias = torch.nn.functional.pad(bias, (0, padded - bias.numel()))
+    y = torch.ops.quill.q8_linear(x, packed.codes, packed.scales, packed.sums, bias, out_dtype)
+    return y if y.shape[1] == packed.out_features else y[:, : packed.out_features]

@@ -1,0 +1,139 @@
+"""The fused small ops (csrc/fused.cpp) against the PyTorch sequences they replace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quill.ops import fused
+from tests.conftest import NATIVE
+
+needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Rounding of one result in the dtype (the ops round where PyTorch does; only the order of a
+# sum of squares differs, which moves the fp32 norm factor by an ulp or two).
+ULP = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}  # relative, worst case
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    error = (got.double() - want.double()).abs()
+    bound = 2 * ULP[got.dtype] * (want.double().abs() + 1e-3)  # one rounding flipped, times w
+    assert (error <= bound).all(), f"max error {error.max():.3g}"
+
+
+def _rand(*shape, dtype, seed):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    dim=st.sampled_from([64, 576, 960, 2048]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 1000),
+)
+def test_native_rms_norm_and_residual_add(rows, dim, dtype, seed):
+    x = _rand(rows, dim, dtype=dtype, seed=seed)
+    weight = _rand(dim, dtype=dtype, seed=seed + 1)
+    _close(torch.ops.quill.rms_norm(x, weight, 1e-5), fused.reference_rms_norm(x, weight, 1e-5))
+    residual = _rand(rows, dim, dtype=dtype, seed=seed + 2)
+    want_sum = residual + x
+    want = fused.reference_rms_norm(want_sum, weight, 1e-5)
+    got = torch.ops.quill.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, want_sum)  # the sum rounds exactly as PyTorch's add
+    _close(got, want)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_native_rope_in_place_on_views_of_the_merged_projection(dtype, head_dim):
+    tokens, heads, kv_heads = 7, 9, 3
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=head_dim)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2) * 50
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    want_q, want_k = fused.reference_rope(q, cos, sin), fused.reference_rope(k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    torch.ops.quill.rope(q, k, cos, sin)
+    # Each product and the sum round to the dtype as PyTorch's three operators do.
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+
+
+@needs_native
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    dim=st.sampled_from([16, 256, 1536, 1552]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 1000),
+)
+def test_native_silu_mul_on_strided_halves(rows, dim, dtype, seed):
+    gate_up = _rand(rows, 2 * dim, dtype=dtype, seed=seed) * 4
+    gate, up = gate_up[:, :dim], gate_up[:, dim:]
+    got = torch.ops.quill.silu_mul(gate, up)
+    want = F.silu(gate) * up
+    # silu's exp is quill's (2e-7 relative), then rounded to the dtype as PyTorch's is.
+    error = (got.double() - want.double()).abs()
+    bound = 2 * ULP[dtype] * want.double().abs() + 1e-6
+    assert (error <= bound).all(), f"max error {error.max():.3g}"
+
+
+@needs_native
+def test_native_fused_ops_pass_opcheck():
+    x, residual, weight = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
+    torch.library.opcheck(torch.ops.quill.rms_norm.default, (x, weight, 1e-6))
+    torch.library.opcheck(torch.ops.quill.add_rms_norm.default, (x, residual, weight, 1e-6))
+    q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    torch.library.opcheck(
+        torch.ops.quill.rope.default, (q, k, torch.randn(3, 64), torch.randn(3, 64))
+    )
+    torch.library.opcheck(
+        torch.ops.quill.silu_mul.default, (torch.randn(3, 32), torch.randn(3, 32))
+    )
+
+
+@needs_native
+def test_native_fused_ops_refuse_bad_shapes():
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.quill.rms_norm(torch.randn(2, 64), torch.randn(32), 1e-6)
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.quill.silu_mul(torch.randn(2, 32), torch.randn(2, 32).bfloat16())
+
+
+def test_dispatch_falls_back_where_the_native_ops_do_not_apply():
+    # A row length no kernel takes runs the PyTorch sequence, with the same result.
+    x, weight = torch.randn(2, 20), torch.randn(20)
+    torch.testing.assert_close(
+        fused.rms_norm(x, weight, 1e-6), fused.reference_rms_norm(x, weight, 1e-6)
+    )
+    residual = torch.randn(2, 20)
+    want = fused.reference_rms_norm(residual + x, weight, 1e-6)
+    torch.testing.assert_close(fused.add_rms_norm(x, residual, weight, 1e-6), want)
+
+
+@pytest.mark.skipif(
+    NATIVE is None or NATIVE.isa != "avx512", reason="the AVX-512 library is not loaded"
+)
+def test_avx2_library():
+    env = {**os.environ, "QUILL_NATIVE_ISA": "avx2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
