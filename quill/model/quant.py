@@ -125,6 +125,8 @@ def quantize_model(
             linear = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
             linear.weight = table
         model.lm_head = QuantizedLinear(linear, method, max_rows)
+    if method == "int8":
+        qlinear.move_to_huge_pages([m.q8 for m in model.modules() if isinstance(m, QuantizedLinear)])
 
 
 def _best_time(fn, repeats: int = 5) -> float:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quill.ops import memory
+
 BLOCK = 32
 TILE = 16
 
@@ -78,6 +80,27 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> PackedQ8:
         return t.view(n // TILE, TILE, blocks).permute(0, 2, 1).contiguous()
 
     return PackedQ8(tiled.contiguous(), per_tile(scales), per_tile(sums), out_features)
+
+
+def move_to_huge_pages(packs: list[PackedQ8]) -> None:
+    """Put the codes of these weights, in order, in one tensor on huge pages (CPU).
+
+    A step reads every weight once, a few hundred KB per product, and on this kind of VM a read
+    on 4 KiB pages pays a two-level page walk per page: the products of a decode step ran
+    4-15% faster with their codes on 2 MiB pages (quill/ops/memory.py).
+    """
+    packs = [p for p in packs if p.codes.device.type == "cpu"]
+    if not packs:
+        return
+    total = sum(p.codes.numel() for p in packs)
+    arena = memory.zeros((total,), torch.int8, torch.device("cpu"))
+    offset = 0
+    for p in packs:
+        n = p.codes.numel()
+        codes = arena[offset : offset + n].view(p.codes.shape)
+        codes.copy_(p.codes)
+        p.codes = codes
+        offset += n
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
