@@ -74,6 +74,34 @@ def gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 
+def gguf_q8_0_blocks(reader, config: dict) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """Yields (Hugging Face name, codes int8 [N, K], scales fp16 [N, K/32]) for every Q8_0
+    tensor, its blocks as stored: int8 weights take them as they are, not re-quantized from
+    the float copy (which rounded them once more, to the model's dtype)."""
+    from gguf import GGMLQuantizationType
+
+    arch = gguf_architecture(reader)
+    for t in reader.tensors:
+        if t.tensor_type != GGMLQuantizationType.Q8_0:
+            continue
+        name = _GLOBAL_TENSORS.get(t.name)
+        parts = t.name.split(".")
+        if name is None:
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
+                raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
+            name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+        rows = t.data.shape[0]
+        blocks = np.ascontiguousarray(t.data).reshape(rows, -1, 34)  # fp16 scale, 32 int8
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0]
+        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
+            heads = config[
+                "num_attention_heads" if parts[-2] == "attn_q" else "num_key_value_heads"
+            ]
+            codes, scales = _unpermute(codes, heads), _unpermute(scales, heads)
+        yield name, torch.from_numpy(np.array(codes)), torch.from_numpy(np.array(scales))
+
+
 def load_gguf_tokenizer(path: str | Path):
     """A fast tokenizer built by transformers from the file's vocabulary, merges and template."""
     from transformers import AutoTokenizer

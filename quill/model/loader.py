@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -70,6 +70,8 @@ class LoadedModel:
     config: ModelConfig
     hf_config: dict
     source: Path  # the directory or GGUF file the weights came from
+    # Our parameter name -> (codes, scales) where a GGUF file stored it whole in Q8_0.
+    q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def _target(name: str, config: ModelConfig) -> tuple[str, int, int] | None:
@@ -211,11 +213,35 @@ def load_model(
     config = ModelConfig.from_hf_dict(hf_config)
     positions = max_positions or config.max_position_embeddings
     model = _build(config, positions, dtype, device)
+    q8_0 = {}
     if load_format == "dummy":
         _dummy_init(model)
     elif is_gguf:
         load_weights(model, gguf_loader.gguf_tensors(reader, hf_config), config)
+        q8_0 = _q8_0_params(gguf_loader.gguf_q8_0_blocks(reader, hf_config), model, config)
     else:
         load_weights(model, _safetensors_weights(_safetensors_files(path)), config)
     model.eval()
-    return LoadedModel(model, config, hf_config, path)
+    return LoadedModel(model, config, hf_config, path, q8_0)
+
+
+def _q8_0_params(blocks, model: LlamaForCausalLM, config: ModelConfig) -> dict:
+    """Q8_0 tensors assembled into our (merged) parameters; a parameter only partly in Q8_0
+    (a file mixing types inside q/k/v) is left out, and gets quantized from its floats."""
+    params = dict(model.named_parameters())
+    parts: dict[str, list] = {}
+    for name, codes, scales in blocks:
+        target = _target(name, config)
+        if target is not None:
+            parts.setdefault(target[0], []).append((target[1], codes, scales))
+    out = {}
+    for param_name, pieces in parts.items():
+        rows = params[param_name].shape[0]
+        if sum(c.shape[0] for _, c, _ in pieces) != rows:
+            continue
+        pieces.sort(key=lambda piece: piece[0])
+        out[param_name] = (
+            torch.cat([c for _, c, _ in pieces]),
+            torch.cat([s for _, _, s in pieces]),
+        )
+    return out

@@ -33,7 +33,14 @@ INT4_GROUP = 32
 class QuantizedLinear(nn.Module):
     """Replaces an `nn.Linear` (or `MergedLinear`, whose parts it returns the same way)."""
 
-    def __init__(self, linear: nn.Linear, method: str, max_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        method: str,
+        max_rows: int | None = None,
+        q8_0: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """q8_0: (codes, scales) to take as they are (a GGUF file's Q8_0 blocks), int8 only."""
         super().__init__()
         weight = linear.weight.detach().float()
         self.method = method
@@ -46,7 +53,8 @@ class QuantizedLinear(nn.Module):
         # The dequantized weight, made on first use where the native kernel cannot run.
         self._fallback: torch.Tensor | None = None
         if method == "int8":
-            self.q8 = qlinear.pack(*qlinear.quantize_q8_0(weight))
+            blocks = qlinear.quantize_q8_0(weight) if q8_0 is None else q8_0
+            self.q8 = qlinear.pack(*(t.to(weight.device) for t in blocks))
             self.native = weight.device.type == "cpu" and library.load() is not None
         elif method == "int4":
             if self.in_features % INT4_GROUP:
@@ -109,24 +117,34 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def quantize_model(
-    model: nn.Module, method: str, max_rows: int | None = None, head: bool = False
+    model: nn.Module,
+    method: str,
+    max_rows: int | None = None,
+    head: bool = False,
+    q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
     """Swap the decoder layers' linear modules for quantized ones, in place; with `head`, the
     output head too (for a tied model, a quantized copy of the embedding table, which the
-    embedding lookup keeps using in float)."""
-    for layer in model.layers:
+    embedding lookup keeps using in float). `q8_0`: parameter name -> Q8_0 blocks loaded from
+    a GGUF file, which int8 takes as they are."""
+    q8_0 = (q8_0 or {}) if method == "int8" else {}
+    for i, layer in enumerate(model.layers):
         for parent, name, linear in _linears(layer):
-            setattr(parent, name, QuantizedLinear(linear, method, max_rows))
+            blocks = q8_0.get(f"layers.{i}.{name}.weight")
+            setattr(parent, name, QuantizedLinear(linear, method, max_rows, blocks))
         layer.__dict__.pop("_int8_cache", None)  # the layer looks its int8 weights up anew
     if head:
-        linear = model.lm_head
+        linear, blocks = model.lm_head, q8_0.get("lm_head.weight")
         if linear is None:
             table = model.embed_tokens.weight
             linear = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
             linear.weight = table
-        model.lm_head = QuantizedLinear(linear, method, max_rows)
+            blocks = q8_0.get("embed_tokens.weight")
+        model.lm_head = QuantizedLinear(linear, method, max_rows, blocks)
     if method == "int8":
-        qlinear.move_to_huge_pages([m.q8 for m in model.modules() if isinstance(m, QuantizedLinear)])
+        qlinear.move_to_huge_pages(
+            [m.q8 for m in model.modules() if isinstance(m, QuantizedLinear)]
+        )
 
 
 def _best_time(fn, repeats: int = 5) -> float:
@@ -141,7 +159,7 @@ def _best_time(fn, repeats: int = 5) -> float:
 
 @torch.inference_mode()
 def choose_quantization(model: nn.Module, device: torch.device) -> tuple[str, int | None]:
-    """`auto`: measure one layer's projections in float and in int8 at 1 to 64 rows, here.
+    """`auto`: measure one layer's projections in float and in int8 at 1 to 512 rows, here.
 
     Returns ("int8", max_rows) with the largest row count up to which int8 was faster
     (contiguous from one row), or ("none", None) when int8 is not faster even for one row.
@@ -153,7 +171,7 @@ def choose_quantization(model: nn.Module, device: torch.device) -> tuple[str, in
     dtype = layer_linears[0].weight.dtype
     max_rows = None
     timings = []
-    for rows in (1, 2, 4, 8, 16, 32, 64):
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         inputs = [torch.randn(rows, lin.in_features, dtype=dtype) for lin in layer_linears]
 
         def run_float(inputs=inputs):

@@ -1,0 +1,131 @@
+"""A GGUF file's Q8_0 weights, loaded into int8 as they are stored (no re-quantization).
+
+The file is written here by the `gguf` package's own writer and Q8_0 quantizer from the default
+model's Q4_1 GGUF (every 2-D tensor re-encoded as Q8_0), so the reference is gguf's encoding:
+quill must take its codes and scales bit for bit, and serve the same tokens as it does from the
+dequantized floats re-quantized.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quill import LLM, SamplingParams
+from quill.model.quant import QuantizedLinear, quantize_model
+from quill.ops import qlinear
+from tests.conftest import PROMPTS
+
+
+def _write_q8_0(src, dst) -> None:
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            writer.add_array(field.name, field.contents())
+        else:
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        data = dequantize(t.data, t.tensor_type).astype(np.float32)
+        if data.ndim == 2 and data.shape[1] % 32 == 0:
+            q8 = quantize(data, GGMLQuantizationType.Q8_0)
+            writer.add_tensor(t.name, q8, raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def q8_0_gguf(tmp_path_factory):
+    from quill.model.default_model import default_gguf_path
+
+    path = tmp_path_factory.mktemp("q8_0") / "smollm2-q8_0.gguf"
+    _write_q8_0(default_gguf_path(), path)
+    return path
+
+
+def _llm(path, quantization):
+    return LLM(
+        str(path), dtype="float32", kv_cache_dtype="float32", quantization=quantization,
+        kv_cache_memory=64 << 20,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def direct_llm(q8_0_gguf):
+    return _llm(q8_0_gguf, "int8")
+
+
+@pytest.fixture(scope="module")
+def float_llm(q8_0_gguf):
+    return _llm(q8_0_gguf, "none")
+
+
+def _file_blocks(path, name):
+    from gguf import GGUFReader
+
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == name)
+    blocks = np.ascontiguousarray(tensor.data).reshape(tensor.data.shape[0], -1, 34)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0]
+    return blocks[..., 2:].copy().view(np.int8).reshape(tensor.data.shape[0], -1), scales
+
+
+def test_int8_takes_the_files_blocks_as_stored(q8_0_gguf, direct_llm, float_llm):
+    model = direct_llm.engine.runner.model
+    # ffn_down of layer 0 is o = down_proj alone (no merge, no row permutation).
+    codes, scales = model.layers[0].down_proj.q8.unpack()
+    want_codes, want_scales = _file_blocks(q8_0_gguf, "blk.0.ffn_down.weight")
+    assert torch.equal(codes, torch.from_numpy(want_codes))
+    assert torch.equal(scales, torch.from_numpy(want_scales))
+    # The tied output head is the embedding table's blocks.
+    head_codes, _ = model.lm_head.q8.unpack()
+    embd_codes, _ = _file_blocks(q8_0_gguf, "token_embd.weight")
+    assert torch.equal(head_codes, torch.from_numpy(embd_codes))
+    # q/k/v merged (q and k rows un-permuted as the float path does): the dequantized blocks
+    # equal the float weights quill loaded from the same file.
+    qkv = model.layers[3].qkv_proj
+    assert isinstance(qkv, QuantizedLinear)
+    float_qkv = float_llm.engine.runner.model.layers[3].qkv_proj.weight
+    torch.testing.assert_close(qkv.dequantized(), float_qkv.float(), rtol=0, atol=0)
+
+
+def test_direct_blocks_serve_what_requantized_floats_serve(q8_0_gguf, direct_llm):
+    """Requantizing the dequantized floats recovers nearly every block (the scale comes back
+    from max |w| / 127 up to fp32 rounding), so the two give the same greedy tokens."""
+    direct = direct_llm
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    got = direct.generate(PROMPTS[:5], params, use_tqdm=False)
+    requantized = _llm(q8_0_gguf, "none")
+    model = requantized.engine.runner.model
+    quantize_model(model, "int8", head=True)  # from the floats, not the file's blocks
+    requantized_codes = model.layers[0].down_proj.q8.unpack()[0]
+    direct_codes = direct.engine.runner.model.layers[0].down_proj.q8.unpack()[0]
+    assert (requantized_codes == direct_codes).float().mean() > 0.99
+    want = requantized.generate(PROMPTS[:5], params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            top = max(lb, key=lb.get)
+            assert abs(la[top] - lb[top]) < 0.02
+
+
+def test_float_path_unchanged_by_q8_0_file(q8_0_gguf, float_llm):
+    """quantization none ignores the blocks: the floats are the file's dequantized values."""
+    weight = float_llm.engine.runner.model.layers[0].down_proj.weight
+    codes, scales = _file_blocks(q8_0_gguf, "blk.0.ffn_down.weight")
+    want = qlinear.PackedQ8(*_pack_parts(codes, scales))
+    torch.testing.assert_close(weight.float(), want.dequantized(), rtol=0, atol=0)
+
+
+def _pack_parts(codes, scales):
+    packed = qlinear.pack(torch.from_numpy(codes), torch.from_numpy(scales))
+    return packed.codes, packed.scales, packed.sums, packed.out_features
