@@ -81,3 +81,21 @@ def write_tiny_config(directory, model_dir, hidden_size: int = 64) -> None:
         head_dim=hidden_size // 4,
     )
     (directory / "config.json").write_text(json.dumps(config))
+
+
+def run_native_tests_with_avx2(test_file: str) -> None:
+    """Runs a test file's native tests in a process that loads the AVX2 library (an AVX-512
+    CPU runs it too), and fails unless they all ran and passed."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "QUILL_NATIVE_ISA": "avx2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "native"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout

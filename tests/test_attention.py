@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -26,7 +24,7 @@ from hypothesis import strategies as st
 from quill.engine.plan import SeqPlan
 from quill.model.attention import AttentionLayout, native_supported, paged_attention
 from quill.ops import library
-from tests.conftest import NATIVE
+from tests.conftest import NATIVE, run_native_tests_with_avx2
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 PATHS = ["reference", pytest.param("native", marks=needs_native)]
@@ -332,12 +330,4 @@ def test_library_is_the_best_this_cpu_runs():
 def test_avx2_library():
     """The AVX2 library runs on AVX-512 CPUs too: its native tests, in a process of its own."""
     assert library.library_path("avx2").is_file(), "`make setup` builds every library the CPU runs"
-    env = {**os.environ, "QUILL_NATIVE_ISA": "avx2"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
+    run_native_tests_with_avx2(__file__)

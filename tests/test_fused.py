@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.ops import fused
-from tests.conftest import NATIVE
+from tests.conftest import NATIVE, run_native_tests_with_avx2
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -128,12 +124,4 @@ def test_dispatch_falls_back_where_the_native_ops_do_not_apply():
     NATIVE is None or NATIVE.isa != "avx512", reason="the AVX-512 library is not loaded"
 )
 def test_avx2_library():
-    env = {**os.environ, "QUILL_NATIVE_ISA": "avx2"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
+    run_native_tests_with_avx2(__file__)

@@ -6,17 +6,13 @@ exact integer block products in float64, so the kernel is held to fp32 rounding 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.ops import qlinear
-from tests.conftest import NATIVE
+from tests.conftest import NATIVE, run_native_tests_with_avx2
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 
@@ -141,12 +137,4 @@ def test_native_refuses_bad_shapes():
 )
 def test_avx2_library():
     """The AVX2 kernel (vpmaddubsw, no VNNI) on an AVX-512 CPU, in a process of its own."""
-    env = {**os.environ, "QUILL_NATIVE_ISA": "avx2"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
+    run_native_tests_with_avx2(__file__)
