@@ -28,12 +28,15 @@ TORCH_LIBRARY(quill, m) {
   m.def(
       "q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor sums, Tensor? bias=None, "
       "ScalarType? out_dtype=None) -> Tensor");
+  m.def(
+      "q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias=None, "
+      "ScalarType? out_dtype=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def(
-      "q8_decoder_layer(Tensor x, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, "
+      "quantized_decoder_layer(Tensor x, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, "
       "float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, int num_heads, "
       "int num_kv_heads, int intermediate_size, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
@@ -47,9 +50,10 @@ TORCH_LIBRARY_IMPL(quill, CPU, m) {
   m.impl("paged_attention", &quill::paged_attention);
   m.impl("read_probe", &quill::read_probe);
   m.impl("q8_linear", &quill::q8_linear);
+  m.impl("q4_linear", &quill::q4_linear);
   m.impl("rms_norm", &quill::rms_norm);
   m.impl("add_rms_norm", &quill::add_rms_norm);
   m.impl("rope", &quill::rope);
   m.impl("silu_mul", &quill::silu_mul);
-  m.impl("q8_decoder_layer", &quill::q8_decoder_layer);
+  m.impl("quantized_decoder_layer", &quill::quantized_decoder_layer);
 }

@@ -45,6 +45,12 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const at::Tensor& sums, const std::optional<at::Tensor>& bias,
                      std::optional<at::ScalarType> out_dtype);
 
+// The same with 4-bit weights (GGUF's Q4_0 / Q4_1): codes two to a byte [N/16, K/32, 4, 16, 4],
+// per (tile, block) fp16 scales d and offsets c [N/16, K/32, 16]: w = d * code + c.
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
+                     std::optional<at::ScalarType> out_dtype);
+
 // The small ops of a decoder layer (fused.cpp), rounding where PyTorch's sequences round.
 // rms_norm: weight * T(x * rsqrt(mean(x^2) + eps)) per row. add_rms_norm: residual += x (in
 // place), then the norm of residual. rope: q and k [tokens, heads, head_dim] rotated in place
@@ -55,11 +61,12 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 void rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
-// A decoder layer on int8 weights (layer.cpp): residual += x, norm, q/k/v, rope, attention
+// A decoder layer on int8 or 4-bit weights (layer.cpp): residual += x, norm, q/k/v, rope, attention
 // (writing the step's keys and values), o, residual += o, norm, gate/up, SiLU x up, down.
-// Each weight is [codes, scales, sums] as q8_linear takes them; returns the down projection
+// Each weight is [codes, scales, sums] as q8_linear takes them or [codes, scales, offsets] as
+// q4_linear does; returns the down projection
 // (not yet added to the residual).
-at::Tensor q8_decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& input_norm,
+at::Tensor quantized_decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& input_norm,
                             const at::Tensor& post_norm, double eps, at::TensorList qkv,
                             at::TensorList o, at::TensorList gate_up, at::TensorList down,
                             int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,

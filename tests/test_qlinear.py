@@ -105,6 +105,74 @@ def test_native_random_shapes(n, k_blocks, rows, dtype, out_dtype, with_bias, se
     _check(x, packed, bias, out_dtype)
 
 
+def _check_q4(x, packed, bias=None, out_dtype=None) -> None:
+    got = qlinear.native_q4_linear(x, packed, bias, out_dtype)
+    want = qlinear.reference_q4_linear(x, packed, bias)
+    assert got.dtype == (out_dtype or x.dtype) and got.shape == want.shape
+    codes, d, c = packed.unpack()
+    qa, ascale = qlinear.quantize_activations(x)
+    n, k = codes.shape
+    terms = torch.einsum("mbk,nbk->mnb", qa.double().abs(), codes.double().view(n, k // 32, 32)) * (
+        d.double().abs()[None] * ascale.double()[:, None]
+    )
+    terms = terms + c.double().abs()[None] * (ascale.double() * qa.double().abs().sum(-1))[:, None]
+    magnitude = terms.sum(-1)
+    eps = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[got.dtype]
+    error = (got.double() - want).abs()
+    assert (error <= eps * (magnitude + want.abs()) + 1e-6).all(), f"max error {error.max():.3g}"
+
+
+def test_q4_pack_round_trip_and_q4_0_form():
+    w = _weight(40, 96, 5)
+    codes, d, low = qlinear.quantize_q4_1(w)
+    assert codes.max() <= 15 and codes.dtype == torch.uint8
+    packed = qlinear.pack_q4(codes, d, low)
+    back = packed.unpack()
+    assert all(torch.equal(a, b) for a, b in zip(back, (codes, d, low)))
+    # Half a step of each block, plus fp16 rounding of d and min.
+    err = (packed.dequantized() - w).abs().view(40, 3, 32)
+    assert (err <= d.float()[..., None] * 0.5 + 2e-3 * w.abs().max()).all()
+    # Q4_0 (w = d * (code - 8)) is the same kernel with c = -8 d.
+    q4_0 = qlinear.pack_q4(codes, d, -8 * d)
+    want = (codes.float().view(40, 3, 32) - 8) * d.float()[..., None]
+    torch.testing.assert_close(q4_0.dequantized(), want.view(40, 96), rtol=0, atol=0)
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    k_blocks=st.integers(1, 50),
+    rows=st.integers(1, 64),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_native_q4_random_shapes(n, k_blocks, rows, dtype, with_bias, seed):
+    k = 32 * k_blocks
+    g = torch.Generator().manual_seed(seed)
+    packed = qlinear.pack_q4(*qlinear.quantize_q4_1(torch.randn(n, k, generator=g)))
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    _check_q4(x, packed, bias)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", MODEL_SHAPES[:4])
+def test_native_q4_model_shapes(shape):
+    n, k = shape
+    packed = qlinear.pack_q4(*qlinear.quantize_q4_1(_weight(n, k, 6)))
+    for rows in (1, 2, 8, 11):
+        _check_q4(torch.randn(rows, k).bfloat16(), packed)
+
+
+@needs_native
+def test_native_q4_linear_passes_opcheck():
+    packed = qlinear.pack_q4(*qlinear.quantize_q4_1(_weight(32, 64, 7)))
+    args = (torch.randn(3, 64), packed.codes, packed.scales, packed.offsets, None, None)
+    torch.library.opcheck(torch.ops.quill.q4_linear.default, args)
+
+
 @needs_native
 def test_native_rows_with_a_stride():
     packed = qlinear.pack(*qlinear.quantize_q8_0(_weight(64, 128, 2)))
@@ -126,7 +194,7 @@ def test_native_refuses_bad_shapes():
     packed = qlinear.pack(*qlinear.quantize_q8_0(_weight(32, 64, 4)))
     with pytest.raises(RuntimeError, match="inputs"):
         torch.ops.quill.q8_linear(torch.randn(2, 96), packed.codes, packed.scales, packed.sums)
-    with pytest.raises(RuntimeError, match="fp16"):
+    with pytest.raises(RuntimeError, match="scales must be contiguous Half"):
         torch.ops.quill.q8_linear(
             torch.randn(2, 64), packed.codes, packed.scales.float(), packed.sums
         )

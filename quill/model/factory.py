@@ -57,7 +57,7 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
     else:
         model_path = Path(config.model).expanduser()
     loaded = load_model(model_path, config.load_format, dtype, device)
-    _quantize(loaded.model, config.quantization, device, loaded.q8_0)
+    _quantize(loaded.model, config.quantization, device, loaded.blocks)
     tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source
     declared_ends = loaded.config.eos_token_ids + generation_config_eos_ids(loaded.source)
     tokenizer = Tokenizer.load(tok_source, declared_ends)
@@ -124,7 +124,7 @@ def _cgroup_cpu_quota() -> int | None:
     return max(1, int(int(quota) / int(period)))
 
 
-def _quantize(model, method: str, device: torch.device, q8_0: dict) -> None:
+def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
     from quill.model.quant import choose_quantization, quantize_model
 
     max_rows = None
@@ -134,9 +134,13 @@ def _quantize(model, method: str, device: torch.device, q8_0: dict) -> None:
         log.info("weights: %s, not quantized", next(model.parameters()).dtype)
         return
     # The output head too for int8: its fp32 sums keep greedy choices (tests/test_quant.py).
-    quantize_model(model, method, max_rows, head=method == "int8", q8_0=q8_0)
-    if method == "int8" and q8_0:
-        log.info("weights: %d tensors taken as the GGUF file's Q8_0 blocks", len(q8_0))
+    taken = quantize_model(model, method, max_rows, head=method == "int8", blocks=blocks)
+    if taken:
+        log.info(
+            "weights: %d tensors taken as the GGUF file stores them (%s)",
+            len(taken),
+            ", ".join(sorted(set(taken.values()))),
+        )
     if max_rows is None:
         log.info("weights: %s weight-only quantization", method)
     else:

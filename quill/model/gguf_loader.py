@@ -74,15 +74,35 @@ def gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
 
 
-def gguf_q8_0_blocks(reader, config: dict) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """Yields (Hugging Face name, codes int8 [N, K], scales fp16 [N, K/32]) for every Q8_0
-    tensor, its blocks as stored: int8 weights take them as they are, not re-quantized from
-    the float copy (which rounded them once more, to the model's dtype)."""
-    from gguf import GGMLQuantizationType
+# How many bytes one block of 32 weights takes in each quantized type quill reads as stored.
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
+
+def _decode_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A tensor's raw blocks -> Q8_0: (codes int8, scales fp16); Q4_x: (codes 0..15, d, c)
+    with w = d * code + c (Q4_1: c = m; Q4_0: c = -8 d), per row and block of 32."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, _BLOCK_BYTES[kind])
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        return blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), d
+    if kind == "Q4_1":
+        c, packed = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
+    else:
+        c, packed = (-8 * d.astype(np.float32)).astype(np.float16), blocks[..., 2:]
+    # Byte j holds element j (low nibble) and element j + 16 (high) of its block.
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    return codes.astype(np.uint8), d, c
+
+
+def gguf_quantized_blocks(reader, config: dict) -> Iterator[tuple[str, str, tuple]]:
+    """Yields (Hugging Face name, "Q8_0" | "Q4_0" | "Q4_1", tensors from `_decode_blocks`) for
+    every tensor stored in one of those types: int8 and int4 weights take them as they are,
+    not re-quantized from the float copy (which rounded them once more, to the model's dtype)."""
     arch = gguf_architecture(reader)
     for t in reader.tensors:
-        if t.tensor_type != GGMLQuantizationType.Q8_0:
+        kind = t.tensor_type.name
+        if kind not in _BLOCK_BYTES:
             continue
         name = _GLOBAL_TENSORS.get(t.name)
         parts = t.name.split(".")
@@ -90,16 +110,13 @@ def gguf_q8_0_blocks(reader, config: dict) -> Iterator[tuple[str, torch.Tensor, 
             if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
             name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-        rows = t.data.shape[0]
-        blocks = np.ascontiguousarray(t.data).reshape(rows, -1, 34)  # fp16 scale, 32 int8
-        scales = blocks[..., :2].copy().view(np.float16)[..., 0]
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+        tensors = _decode_blocks(kind, t.data)
         if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
             heads = config[
                 "num_attention_heads" if parts[-2] == "attn_q" else "num_key_value_heads"
             ]
-            codes, scales = _unpermute(codes, heads), _unpermute(scales, heads)
-        yield name, torch.from_numpy(np.array(codes)), torch.from_numpy(np.array(scales))
+            tensors = tuple(_unpermute(x, heads) for x in tensors)
+        yield name, kind, tuple(torch.from_numpy(np.array(x)) for x in tensors)
 
 
 def load_gguf_tokenizer(path: str | Path):

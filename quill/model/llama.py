@@ -93,9 +93,11 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output, not yet added to the residual stream (for the first
         layer, the embeddings and a zero residual). Returns (output, residual)."""
         n = x.shape[0]
-        weights = self._int8_weights()
+        weights = self._quantized_weights()
         if weights is not None and n <= weights[-1] and meta.reference is None:
-            return self._int8_layer(x, residual, cos, sin, kv_cache, meta, weights[:-1]), residual
+            return self._quantized_layer(
+                x, residual, cos, sin, kv_cache, meta, weights[:-1]
+            ), residual
         q, k, v = self.qkv_proj(self.input_layernorm(x, residual))
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -106,18 +108,18 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(h)
         return self.down_proj(fused.silu_mul(gate, up)), residual
 
-    def _int8_weights(self) -> tuple | None:
-        """The layer's int8 weights for quill::q8_decoder_layer, and the rows up to which they
-        are used; None where the layer does not qualify (float or int4 weights, biases, no
+    def _quantized_weights(self) -> tuple | None:
+        """The layer's quantized weights for quill::quantized_decoder_layer, and the rows up to
+        which they are used; None where the layer does not qualify (float weights, biases, no
         native library). Looked up once: quantization happens before the first step."""
-        if not hasattr(self, "_int8_cache"):
-            self._int8_cache = _int8_layer_weights(self)
-        return self._int8_cache
+        if not hasattr(self, "_quantized_cache"):
+            self._quantized_cache = _quantized_layer_weights(self)
+        return self._quantized_cache
 
-    def _int8_layer(self, x, residual, cos, sin, kv_cache, meta, weights) -> torch.Tensor:
+    def _quantized_layer(self, x, residual, cos, sin, kv_cache, meta, weights) -> torch.Tensor:
         qkv, o, gate_up, down = weights
         k_cache, v_cache = kv_cache
-        return torch.ops.quill.q8_decoder_layer(
+        return torch.ops.quill.quantized_decoder_layer(
             x,
             residual,
             self.input_layernorm.weight,
@@ -142,22 +144,24 @@ class DecoderLayer(nn.Module):
         )
 
 
-def _int8_layer_weights(layer: DecoderLayer) -> tuple | None:
+def _quantized_layer_weights(layer: DecoderLayer) -> tuple | None:
     from quill.model.quant import QuantizedLinear
 
     linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if not all(
-        isinstance(m, QuantizedLinear) and m.method == "int8" and m.native and m.bias is None
-        for m in linears
-    ):
+    if not all(isinstance(m, QuantizedLinear) and m.native and m.bias is None for m in linears):
         return None
     if len({m.max_rows for m in linears}) != 1 or not fused.use_native(norms[0]):
         return None
     if norms[0].dtype != norms[1].dtype:
         return None
     max_rows = linears[0].max_rows
-    weights = tuple([m.q8.codes, m.q8.scales, m.q8.sums] for m in linears)
+    weights = tuple(
+        [m.q8.codes, m.q8.scales, m.q8.sums]
+        if m.method == "int8"
+        else [m.q4.codes, m.q4.scales, m.q4.offsets]
+        for m in linears
+    )
     return (*weights, max_rows if max_rows is not None else 1 << 62)
 
 

@@ -70,8 +70,9 @@ class LoadedModel:
     config: ModelConfig
     hf_config: dict
     source: Path  # the directory or GGUF file the weights came from
-    # Our parameter name -> (codes, scales) where a GGUF file stored it whole in Q8_0.
-    q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Our parameter name -> (GGUF type, its blocks) where a GGUF file stored it whole in Q8_0,
+    # Q4_0 or Q4_1 (gguf_loader.gguf_quantized_blocks).
+    blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
 
 
 def _target(name: str, config: ModelConfig) -> tuple[str, int, int] | None:
@@ -213,35 +214,36 @@ def load_model(
     config = ModelConfig.from_hf_dict(hf_config)
     positions = max_positions or config.max_position_embeddings
     model = _build(config, positions, dtype, device)
-    q8_0 = {}
+    blocks = {}
     if load_format == "dummy":
         _dummy_init(model)
     elif is_gguf:
         load_weights(model, gguf_loader.gguf_tensors(reader, hf_config), config)
-        q8_0 = _q8_0_params(gguf_loader.gguf_q8_0_blocks(reader, hf_config), model, config)
+        blocks = _block_params(gguf_loader.gguf_quantized_blocks(reader, hf_config), model, config)
     else:
         load_weights(model, _safetensors_weights(_safetensors_files(path)), config)
     model.eval()
-    return LoadedModel(model, config, hf_config, path, q8_0)
+    return LoadedModel(model, config, hf_config, path, blocks)
 
 
-def _q8_0_params(blocks, model: LlamaForCausalLM, config: ModelConfig) -> dict:
-    """Q8_0 tensors assembled into our (merged) parameters; a parameter only partly in Q8_0
-    (a file mixing types inside q/k/v) is left out, and gets quantized from its floats."""
+def _block_params(blocks, model: LlamaForCausalLM, config: ModelConfig) -> dict:
+    """Quantized tensors assembled into our (merged) parameters; a parameter only partly in one
+    type (a file mixing types inside q/k/v) is left out, and gets quantized from its floats."""
     params = dict(model.named_parameters())
     parts: dict[str, list] = {}
-    for name, codes, scales in blocks:
+    for name, kind, tensors in blocks:
         target = _target(name, config)
         if target is not None:
-            parts.setdefault(target[0], []).append((target[1], codes, scales))
+            parts.setdefault(target[0], []).append((target[1], kind, tensors))
     out = {}
     for param_name, pieces in parts.items():
-        rows = params[param_name].shape[0]
-        if sum(c.shape[0] for _, c, _ in pieces) != rows:
+        kinds = {kind for _, kind, _ in pieces}
+        if (
+            len(kinds) != 1
+            or sum(t[0].shape[0] for _, _, t in pieces) != params[param_name].shape[0]
+        ):
             continue
         pieces.sort(key=lambda piece: piece[0])
-        out[param_name] = (
-            torch.cat([c for _, c, _ in pieces]),
-            torch.cat([s for _, _, s in pieces]),
-        )
+        merged = tuple(torch.cat([t[i] for _, _, t in pieces]) for i in range(len(pieces[0][2])))
+        out[param_name] = (kinds.pop(), merged)
     return out

@@ -9,9 +9,8 @@ arithmetic, and there the float weights win; a module can keep them and use them
   kernel (csrc/qlinear.cpp: activations quantized to int8 per block, integer dot products).
   Without the native library (or on a GPU) the module multiplies by the dequantized weight,
   correct but no faster than float.
-- int4: asymmetric, one scale and zero per group of 32 input columns (as GGUF's Q4_1, so the default
-  model's own 4-bit weights come back nearly exactly), through PyTorch's
-  `_weight_int4pack_mm_for_cpu` (bf16 activations).
+- int4: GGUF's Q4_1 (per block of 32 inputs a scale and a minimum, so the default model's own
+  4-bit weights come back nearly exactly), by the native 4-bit kernel (csrc/qlinear.cpp).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from quill.ops import library, qlinear
 
 log = logging.getLogger(__name__)
 
-INT4_GROUP = 32
+INT4_GROUP = qlinear.BLOCK
 
 
 class QuantizedLinear(nn.Module):
@@ -38,9 +37,10 @@ class QuantizedLinear(nn.Module):
         linear: nn.Linear,
         method: str,
         max_rows: int | None = None,
-        q8_0: tuple[torch.Tensor, torch.Tensor] | None = None,
+        stored: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
-        """q8_0: (codes, scales) to take as they are (a GGUF file's Q8_0 blocks), int8 only."""
+        """stored: the blocks to take as they are (a GGUF file's): (codes, scales) for int8,
+        (codes, d, c) for int4."""
         super().__init__()
         weight = linear.weight.detach().float()
         self.method = method
@@ -52,41 +52,21 @@ class QuantizedLinear(nn.Module):
         self.float_weight = linear.weight.detach() if max_rows is not None else None
         # The dequantized weight, made on first use where the native kernel cannot run.
         self._fallback: torch.Tensor | None = None
+        self.native = weight.device.type == "cpu" and library.load() is not None
         if method == "int8":
-            blocks = qlinear.quantize_q8_0(weight) if q8_0 is None else q8_0
+            blocks = qlinear.quantize_q8_0(weight) if stored is None else stored
             self.q8 = qlinear.pack(*(t.to(weight.device) for t in blocks))
-            self.native = weight.device.type == "cpu" and library.load() is not None
         elif method == "int4":
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}")
-            groups = weight.view(self.out_features, -1, INT4_GROUP)
-            low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-            scale = ((high - low) / 15).clamp(min=1e-8)
-            codes = torch.round((groups - low) / scale).clamp(0, 15)
-            # The kernel computes (code - 8) * scale + zero.
-            zero = low + 8 * scale
-            self.codes = codes.view(self.out_features, -1).to(torch.uint8)
-            self.scales_and_zeros = (
-                torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1)
-                .to(torch.bfloat16)
-                .contiguous()
-            )
-            self.weight = (
-                torch._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32), 2)
-                if weight.device.type == "cpu"
-                else None
-            )
+            blocks = qlinear.quantize_q4_1(weight) if stored is None else stored
+            self.q4 = qlinear.pack_q4(*(t.to(weight.device) for t in blocks))
         else:
             raise ValueError(f"unknown quantization {method!r}")
 
     def dequantized(self) -> torch.Tensor:
         """The float weight the quantized one stands for (fp32)."""
-        if self.method == "int8":
-            return self.q8.dequantized()
-        groups = self.codes.view(self.out_features, -1, INT4_GROUP).float()
-        scale = self.scales_and_zeros[..., 0].t().float().unsqueeze(-1)
-        zero = self.scales_and_zeros[..., 1].t().float().unsqueeze(-1)
-        return ((groups - 8) * scale + zero).view(self.out_features, self.in_features)
+        return (self.q8 if self.method == "int8" else self.q4).dequantized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         y = self._product(x)
@@ -97,11 +77,8 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self.float_weight, self.bias)
         if self.method == "int8" and self.native and x.dim() == 2:
             return qlinear.native_q8_linear(x, self.q8, self.bias)
-        if self.method == "int4" and x.device.type == "cpu":
-            y = torch._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self.weight, INT4_GROUP, self.scales_and_zeros
-            ).to(x.dtype)
-            return y if self.bias is None else y + self.bias
+        if self.method == "int4" and self.native and x.dim() == 2:
+            return qlinear.native_q4_linear(x, self.q4, self.bias)
         if self._fallback is None or self._fallback.dtype != x.dtype:
             self._fallback = self.dequantized().to(x.device, x.dtype)
         return F.linear(x, self._fallback, self.bias)
@@ -116,35 +93,51 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     ]
 
 
+# The GGUF types each method takes as stored.
+_STORED_TYPES = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}
+
+
 def quantize_model(
     model: nn.Module,
     method: str,
     max_rows: int | None = None,
     head: bool = False,
-    q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> None:
+    blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] | None = None,
+) -> dict[str, str]:
     """Swap the decoder layers' linear modules for quantized ones, in place; with `head`, the
     output head too (for a tied model, a quantized copy of the embedding table, which the
-    embedding lookup keeps using in float). `q8_0`: parameter name -> Q8_0 blocks loaded from
-    a GGUF file, which int8 takes as they are."""
-    q8_0 = (q8_0 or {}) if method == "int8" else {}
+    embedding lookup keeps using in float). `blocks`: parameter name -> (GGUF type, blocks)
+    loaded from a GGUF file; those of a type the method stores alike are taken as they are.
+    Returns the parameters so taken, with their types."""
+    usable = {
+        name: (kind, tensors)
+        for name, (kind, tensors) in (blocks or {}).items()
+        if kind in _STORED_TYPES.get(method, ())
+    }
+    taken: dict[str, str] = {}
+
+    def stored(name: str) -> tuple[torch.Tensor, ...] | None:
+        if name not in usable:
+            return None
+        taken[name] = usable[name][0]
+        return usable[name][1]
+
     for i, layer in enumerate(model.layers):
         for parent, name, linear in _linears(layer):
-            blocks = q8_0.get(f"layers.{i}.{name}.weight")
-            setattr(parent, name, QuantizedLinear(linear, method, max_rows, blocks))
-        layer.__dict__.pop("_int8_cache", None)  # the layer looks its int8 weights up anew
+            blocks_here = stored(f"layers.{i}.{name}.weight")
+            setattr(parent, name, QuantizedLinear(linear, method, max_rows, blocks_here))
+        layer.__dict__.pop("_quantized_cache", None)  # the layer looks its weights up anew
     if head:
-        linear, blocks = model.lm_head, q8_0.get("lm_head.weight")
+        linear, name = model.lm_head, "lm_head.weight"
         if linear is None:
             table = model.embed_tokens.weight
             linear = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
             linear.weight = table
-            blocks = q8_0.get("embed_tokens.weight")
-        model.lm_head = QuantizedLinear(linear, method, max_rows, blocks)
-    if method == "int8":
-        qlinear.move_to_huge_pages(
-            [m.q8 for m in model.modules() if isinstance(m, QuantizedLinear)]
-        )
+            name = "embed_tokens.weight"
+        model.lm_head = QuantizedLinear(linear, method, max_rows, stored(name))
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    qlinear.move_to_huge_pages([m.q8 if m.method == "int8" else m.q4 for m in quantized])
+    return taken
 
 
 def _best_time(fn, repeats: int = 5) -> float:

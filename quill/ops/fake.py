@@ -31,6 +31,12 @@ def _q8_linear(x, codes, scales, sums, bias=None, out_dtype=None) -> torch.Tenso
     return x.new_empty(rows, n, dtype=out_dtype or x.dtype)
 
 
+@torch.library.register_fake("quill::q4_linear")
+def _q4_linear(x, codes, scales, offsets, bias=None, out_dtype=None) -> torch.Tensor:
+    rows, n = x.shape[0], codes.shape[0] * codes.shape[3]  # codes [N/16, K/32, 4, 16, 4]
+    return x.new_empty(rows, n, dtype=out_dtype or x.dtype)
+
+
 @torch.library.register_fake("quill::rms_norm")
 def _rms_norm(x, weight, eps) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -51,6 +57,6 @@ def _silu_mul(gate, up) -> torch.Tensor:
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("quill::q8_decoder_layer")
-def _q8_decoder_layer(x, residual, *args) -> torch.Tensor:
+@torch.library.register_fake("quill::quantized_decoder_layer")
+def _quantized_decoder_layer(x, residual, *args) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)

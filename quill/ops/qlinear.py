@@ -82,8 +82,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> PackedQ8:
     return PackedQ8(tiled.contiguous(), per_tile(scales), per_tile(sums), out_features)
 
 
-def move_to_huge_pages(packs: list[PackedQ8]) -> None:
-    """Put the codes of these weights, in order, in one tensor on huge pages (CPU).
+def move_to_huge_pages(packs: list) -> None:
+    """Put the codes of these weights (PackedQ8, PackedQ4), in order, in one tensor on huge
+    pages (CPU).
 
     A step reads every weight once, a few hundred KB per product, and on this kind of VM a read
     on 4 KiB pages pays a two-level page walk per page: the products of a decode step ran
@@ -93,11 +94,11 @@ def move_to_huge_pages(packs: list[PackedQ8]) -> None:
     if not packs:
         return
     total = sum(p.codes.numel() for p in packs)
-    arena = memory.zeros((total,), torch.int8, torch.device("cpu"))
+    arena = memory.zeros((total,), torch.uint8, torch.device("cpu"))
     offset = 0
     for p in packs:
         n = p.codes.numel()
-        codes = arena[offset : offset + n].view(p.codes.shape)
+        codes = arena[offset : offset + n].view(p.codes.dtype).view(p.codes.shape)
         codes.copy_(p.codes)
         p.codes = codes
         offset += n
@@ -137,4 +138,105 @@ def native_q8_linear(
     if bias is not None and bias.numel() != padded:
         bias = torch.nn.functional.pad(bias, (0, padded - bias.numel()))
     y = torch.ops.quill.q8_linear(x, packed.codes, packed.scales, packed.sums, bias, out_dtype)
+    return y if y.shape[1] == packed.out_features else y[:, : packed.out_features]
+
+
+# -- 4-bit: GGUF's Q4_1 (w = d * code + min) and Q4_0 (w = d * (code - 8)), as w = d * code + c.
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp weight [N, K] -> (codes uint8 0..15 [N, K], d fp16 [N, K/32], min fp16 [N, K/32]), as
+    GGUF's Q4_1 does: d = (max - min) / 15, code = round((w - min) / d)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"Q4_1 needs in_features divisible by {BLOCK}, got {k}")
+    blocks = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    d = (high - low) / 15
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round((blocks - low[..., None]) * inverse[..., None]).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(n, k), d.to(torch.float16), low.to(torch.float16)
+
+
+@dataclass
+class PackedQ4:
+    """4-bit codes in the native kernel's layout, rows padded to tiles of 16: w = d * code + c."""
+
+    codes: torch.Tensor  # uint8 [N/16, K/32, 4, 16, 4], two codes a byte
+    scales: torch.Tensor  # fp16 d [N/16, K/32, 16]
+    offsets: torch.Tensor  # fp16 c [N/16, K/32, 16]
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * BLOCK
+
+    @property
+    def padded_features(self) -> int:
+        return self.codes.shape[0] * TILE
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K], d [N, K/32], c [N, K/32]) back from the tiles."""
+        padded, k = self.padded_features, self.in_features
+        low, high = self.codes & 0x0F, self.codes >> 4
+        # [tile, block, step, row, i] x (low, high) -> [tile, row, block, step, half, i]
+        both = torch.stack([low, high], dim=-2).permute(0, 3, 1, 2, 4, 5)
+        codes = both.reshape(padded, k)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(padded, k // BLOCK)[: self.out_features]
+
+        return codes[: self.out_features], rows(self.scales), rows(self.offsets)
+
+    def dequantized(self) -> torch.Tensor:
+        codes, d, c = self.unpack()
+        n, k = codes.shape
+        blocks = codes.float().view(n, k // BLOCK, BLOCK) * d.float()[..., None]
+        return (blocks + c.float()[..., None]).view(n, k)
+
+
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> PackedQ4:
+    """codes uint8 0..15 [N, K] and per-block d, c [N, K/32]: the kernel's layout."""
+    out_features, k = codes.shape
+    if k % BLOCK:
+        raise ValueError(f"packing needs in_features divisible by {BLOCK}, got {k}")
+    pad = -out_features % TILE
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    d = torch.nn.functional.pad(d.to(torch.float16), (0, 0, 0, pad))
+    c = torch.nn.functional.pad(c.to(torch.float16), (0, 0, 0, pad))
+    n, blocks = out_features + pad, k // BLOCK
+    # [tile, row, block, step, half (low / high nibble), i] -> [tile, block, step, row, i]
+    parts = codes.view(n // TILE, TILE, blocks, BLOCK // 8, 2, 4).permute(0, 2, 3, 1, 4, 5)
+    packed = parts[..., 0, :] | (parts[..., 1, :] << 4)
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n // TILE, TILE, blocks).permute(0, 2, 1).contiguous()
+
+    return PackedQ4(packed.contiguous(), per_tile(d), per_tile(c), out_features)
+
+
+def reference_q4_linear(
+    x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The kernel's arithmetic in float64: d * a_scale * sum(code * qa) + c * a_scale * sum(qa)."""
+    codes, d, c = packed.unpack()
+    n, k = codes.shape
+    qa, ascale = quantize_activations(x)
+    dots = torch.einsum("mbk,nbk->mnb", qa.double(), codes.double().view(n, k // BLOCK, BLOCK))
+    scale = (d.float()[None, :, :] * ascale[:, None, :]).double()  # fp32, as the kernel's
+    a_sums = (ascale.double() * qa.double().sum(-1))[:, None, :]
+    y = (dots * scale + c.double()[None] * a_sums).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+def native_q4_linear(
+    x: torch.Tensor,
+    packed: PackedQ4,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    padded = packed.padded_features
+    if bias is not None and bias.numel() != padded:
+        bias = torch.nn.functional.pad(bias, (0, padded - bias.numel()))
+    y = torch.ops.quill.q4_linear(x, packed.codes, packed.scales, packed.offsets, bias, out_dtype)
     return y if y.shape[1] == packed.out_features else y[:, : packed.out_features]
