@@ -133,8 +133,8 @@ def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
     if method == "none":
         log.info("weights: %s, not quantized", next(model.parameters()).dtype)
         return
-    # The output head too for int8: its fp32 sums keep greedy choices (tests/test_quant.py).
-    taken = quantize_model(model, method, max_rows, head=method == "int8", blocks=blocks)
+    # The output head too, in int8: its fp32 sums keep greedy choices (tests/test_quant.py).
+    taken = quantize_model(model, method, max_rows, head=True, blocks=blocks)
     if taken:
         log.info(
             "weights: %d tensors taken as the GGUF file stores them (%s)",

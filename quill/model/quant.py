@@ -105,26 +105,22 @@ def quantize_model(
     blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] | None = None,
 ) -> dict[str, str]:
     """Swap the decoder layers' linear modules for quantized ones, in place; with `head`, the
-    output head too (for a tied model, a quantized copy of the embedding table, which the
-    embedding lookup keeps using in float). `blocks`: parameter name -> (GGUF type, blocks)
+    output head too, in int8 (for a tied model, a quantized copy of the embedding table, which
+    the embedding lookup keeps using in float). `blocks`: parameter name -> (GGUF type, blocks)
     loaded from a GGUF file; those of a type the method stores alike are taken as they are.
     Returns the parameters so taken, with their types."""
-    usable = {
-        name: (kind, tensors)
-        for name, (kind, tensors) in (blocks or {}).items()
-        if kind in _STORED_TYPES.get(method, ())
-    }
     taken: dict[str, str] = {}
 
-    def stored(name: str) -> tuple[torch.Tensor, ...] | None:
-        if name not in usable:
+    def stored(name: str, method: str) -> tuple[torch.Tensor, ...] | None:
+        kind, tensors = (blocks or {}).get(name, (None, None))
+        if kind not in _STORED_TYPES.get(method, ()):
             return None
-        taken[name] = usable[name][0]
-        return usable[name][1]
+        taken[name] = kind
+        return tensors
 
     for i, layer in enumerate(model.layers):
         for parent, name, linear in _linears(layer):
-            blocks_here = stored(f"layers.{i}.{name}.weight")
+            blocks_here = stored(f"layers.{i}.{name}.weight", method)
             setattr(parent, name, QuantizedLinear(linear, method, max_rows, blocks_here))
         layer.__dict__.pop("_quantized_cache", None)  # the layer looks its weights up anew
     if head:
@@ -134,7 +130,9 @@ def quantize_model(
             linear = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
             linear.weight = table
             name = "embed_tokens.weight"
-        model.lm_head = QuantizedLinear(linear, method, max_rows, stored(name))
+        # The head in int8 for either method, as GGUF's Q4 files keep it in Q8_0: it is a fifth
+        # of the default model's bytes, and its logits decide every greedy choice.
+        model.lm_head = QuantizedLinear(linear, "int8", max_rows, stored(name, "int8"))
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     qlinear.move_to_huge_pages([m.q8 if m.method == "int8" else m.q4 for m in quantized])
     return taken

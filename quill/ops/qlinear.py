@@ -134,10 +134,14 @@ def native_q8_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The native kernel on x [M, K], its padded rows cut off (needs the native library)."""
+    return _native(torch.ops.quill.q8_linear, x, packed, packed.sums, bias, out_dtype)
+
+
+def _native(op, x, packed, third: torch.Tensor, bias, out_dtype) -> torch.Tensor:
     padded = packed.padded_features
     if bias is not None and bias.numel() != padded:
         bias = torch.nn.functional.pad(bias, (0, padded - bias.numel()))
-    y = torch.ops.quill.q8_linear(x, packed.codes, packed.scales, packed.sums, bias, out_dtype)
+    y = op(x, packed.codes, packed.scales, third, bias, out_dtype)
     return y if y.shape[1] == packed.out_features else y[:, : packed.out_features]
 
 
@@ -235,8 +239,4 @@ def native_q4_linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    padded = packed.padded_features
-    if bias is not None and bias.numel() != padded:
-        bias = torch.nn.functional.pad(bias, (0, padded - bias.numel()))
-    y = torch.ops.quill.q4_linear(x, packed.codes, packed.scales, packed.offsets, bias, out_dtype)
-    return y if y.shape[1] == packed.out_features else y[:, : packed.out_features]
+    return _native(torch.ops.quill.q4_linear, x, packed, packed.offsets, bias, out_dtype)
