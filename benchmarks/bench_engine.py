@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine.machine import (  # noqa: E402
     gemm_flops,
+    kernel_rates,
     machine_info,
     matmul_params,
     read_probe_rate,
@@ -130,6 +131,8 @@ def main() -> None:
     probe_bps = read_probe_rate()
     flops = gemm_flops()
     params = matmul_params(cfg)
+    print("measuring each product kernel on the output head's shape", flush=True)
+    kernels = kernel_rates(cfg)
     results: dict = {
         "machine": machine_info(args.threads),
         "settings": {
@@ -145,6 +148,7 @@ def main() -> None:
             "read_probe_Bps": probe_bps,
             "gemm_fp32_flops": flops,
             "matmul_params_per_token": params,
+            "kernels": kernels,
         },
         "columns": {
             c.name: {

@@ -1,11 +1,11 @@
-// A whole decoder layer in one op, for steps small enough to run on int8 or 4-bit weights.
+// A whole decoder layer in one op, for small steps (int8, 4-bit or native float products).
 //
 // At batch 1 a layer's products and attention take ~200 us, and calling its ~10 ops from
 // Python (module calls, the dispatcher, argument checks) added ~100 us more: a third of the
 // step. This op calls the same kernels (q8_linear, add_rms_norm, rope, paged_attention,
-// silu_mul, and q4_linear for 4-bit weights) one after another from C++, so the numbers are
-// those of the op-by-op path, bit for bit; quill/model/llama.py takes it when every product of
-// the layer is quantized.
+// silu_mul, q4_linear for 4-bit weights, dense_linear for float ones) one after another from
+// C++, so the numbers are those of the op-by-op path, bit for bit; quill/model/llama.py takes
+// it when every product of the layer runs natively for the step's rows.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -15,17 +15,19 @@ namespace quill {
 
 namespace {
 
-// int8 weights are [codes (int8), scales, sums], 4-bit ones [codes (uint8), scales, offsets].
+// int8 weights are [codes (int8), scales, sums], 4-bit ones [codes (uint8), scales, offsets],
+// float ones [weight].
 at::Tensor product(const at::Tensor& x, at::TensorList w, const char* what) {
-  TORCH_CHECK(w.size() == 3, "quill::quantized_decoder_layer: ", what,
-              " must be [codes, scales, sums or offsets]");
+  if (w.size() == 1) return dense_linear(x, w[0], std::nullopt, std::nullopt);
+  TORCH_CHECK(w.size() == 3, "quill::decoder_layer: ", what,
+              " must be [weight] or [codes, scales, sums or offsets]");
   if (w[0].scalar_type() == at::kByte) return q4_linear(x, w[0], w[1], w[2], std::nullopt, std::nullopt);
   return q8_linear(x, w[0], w[1], w[2], std::nullopt, std::nullopt);
 }
 
 }  // namespace
 
-at::Tensor quantized_decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& input_norm,
+at::Tensor decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& input_norm,
                             const at::Tensor& post_norm, double eps, at::TensorList qkv,
                             at::TensorList o, at::TensorList gate_up, at::TensorList down,
                             int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
@@ -37,7 +39,7 @@ at::Tensor quantized_decoder_layer(const at::Tensor& x, at::Tensor& residual, co
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor h = add_rms_norm(x, residual, input_norm, eps);
   at::Tensor qkv_out = product(h, qkv, "qkv");
-  TORCH_CHECK(qkv_out.size(1) >= q_size + 2 * kv_size, "quill::quantized_decoder_layer: qkv has ",
+  TORCH_CHECK(qkv_out.size(1) >= q_size + 2 * kv_size, "quill::decoder_layer: qkv has ",
               qkv_out.size(1), " outputs, fewer than q + k + v");
   at::Tensor q = qkv_out.narrow(1, 0, q_size).view({n, num_heads, head_dim});
   at::Tensor k = qkv_out.narrow(1, q_size, kv_size).view({n, num_kv_heads, head_dim});

@@ -31,16 +31,18 @@ TORCH_LIBRARY(quill, m) {
   m.def(
       "q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias=None, "
       "ScalarType? out_dtype=None) -> Tensor");
+  m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def(
-      "quantized_decoder_layer(Tensor x, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, "
+      "decoder_layer(Tensor x, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, "
       "float eps, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, int num_heads, "
       "int num_kv_heads, int intermediate_size, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("isa() -> str", &quill::isa);
   m.def("attention_kernel(ScalarType q_dtype, ScalarType kv_dtype) -> str", &quill::attention_kernel);
 }
@@ -51,9 +53,11 @@ TORCH_LIBRARY_IMPL(quill, CPU, m) {
   m.impl("read_probe", &quill::read_probe);
   m.impl("q8_linear", &quill::q8_linear);
   m.impl("q4_linear", &quill::q4_linear);
+  m.impl("dense_linear", &quill::dense_linear);
   m.impl("rms_norm", &quill::rms_norm);
   m.impl("add_rms_norm", &quill::add_rms_norm);
   m.impl("rope", &quill::rope);
   m.impl("silu_mul", &quill::silu_mul);
-  m.impl("quantized_decoder_layer", &quill::quantized_decoder_layer);
+  m.impl("argmax_rows", &quill::argmax_rows);
+  m.impl("decoder_layer", &quill::decoder_layer);
 }

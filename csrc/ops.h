@@ -51,6 +51,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                      std::optional<at::ScalarType> out_dtype);
 
+// x [rows, K] (fp32, bf16 or fp16) times a float weight [N, K] as stored (fp32, bf16 or fp16,
+// contiguous rows) in fp32 (dense.cpp): the small-step product of an unquantized model.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias,
+                        std::optional<at::ScalarType> out_dtype);
+
 // The small ops of a decoder layer (fused.cpp), rounding where PyTorch's sequences round.
 // rms_norm: weight * T(x * rsqrt(mean(x^2) + eps)) per row. add_rms_norm: residual += x (in
 // place), then the norm of residual. rope: q and k [tokens, heads, head_dim] rotated in place
@@ -61,12 +67,12 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 void rope(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
-// A decoder layer on int8 or 4-bit weights (layer.cpp): residual += x, norm, q/k/v, rope, attention
+// A decoder layer on int8, 4-bit or float weights (layer.cpp): residual += x, norm, q/k/v, rope, attention
 // (writing the step's keys and values), o, residual += o, norm, gate/up, SiLU x up, down.
-// Each weight is [codes, scales, sums] as q8_linear takes them or [codes, scales, offsets] as
-// q4_linear does; returns the down projection
+// Each weight is [codes, scales, sums] as q8_linear takes them, [codes, scales, offsets] as
+// q4_linear does, or [weight] as dense_linear does; returns the down projection
 // (not yet added to the residual).
-at::Tensor quantized_decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& input_norm,
+at::Tensor decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Tensor& input_norm,
                             const at::Tensor& post_norm, double eps, at::TensorList qkv,
                             at::TensorList o, at::TensorList gate_up, at::TensorList down,
                             int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
@@ -74,6 +80,9 @@ at::Tensor quantized_decoder_layer(const at::Tensor& x, at::Tensor& residual, co
                             at::Tensor& v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale);
+
+// Each fp32 row's argmax as torch.argmax(x, -1) picks it (argmax.cpp).
+at::Tensor argmax_rows(const at::Tensor& x);
 
 // "avx2" or "avx512": the instruction set this library was compiled for.
 std::string isa();

@@ -88,6 +88,37 @@ def test_native_silu_mul_on_strided_halves(rows, dim, dtype, seed):
 
 
 @needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 70),
+    n=st.integers(1, 300),
+    ties=st.booleans(),
+    specials=st.sampled_from(["none", "inf", "-inf", "nan"]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_argmax_equals_torch(rows, n, ties, specials, seed):
+    """The first of equal maxima, every row -inf, NaN picked first: torch.argmax's choices."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    if ties:
+        x = x.round()  # many equal values, so equal maxima
+    if specials != "none" and rows:
+        value = float(specials)
+        where = torch.rand(rows, n, generator=g) < 0.05
+        x[where] = value
+        x[0] = value if specials == "-inf" else x[0]
+    assert torch.equal(torch.ops.quill.argmax_rows(x), x.argmax(dim=-1))
+
+
+@needs_native
+def test_native_argmax_model_vocabulary():
+    x = torch.randn(64, 49152)
+    x[3, 100] = x[3, 40000] = x[3].max() + 1  # a tie between two far-apart logits
+    assert torch.equal(fused.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(fused.argmax(x[:, :1000]), x[:, :1000].argmax(dim=-1))  # strided rows
+
+
+@needs_native
 def test_native_fused_ops_pass_opcheck():
     x, residual, weight = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
     torch.library.opcheck(torch.ops.quill.rms_norm.default, (x, weight, 1e-6))
@@ -99,6 +130,7 @@ def test_native_fused_ops_pass_opcheck():
     torch.library.opcheck(
         torch.ops.quill.silu_mul.default, (torch.randn(3, 32), torch.randn(3, 32))
     )
+    torch.library.opcheck(torch.ops.quill.argmax_rows.default, (torch.randn(3, 50),))
 
 
 @needs_native

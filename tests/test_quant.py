@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from quill import LLM, SamplingParams
-from quill.model.linear import MergedLinear
+from quill.model.linear import MergedLinear, set_native_rows
 from quill.model.quant import INT4_GROUP, QuantizedLinear
 from tests.conftest import NATIVE, PROMPTS
 
@@ -92,17 +92,21 @@ def test_int8_greedy_tokens_equal_float(model_dir, float_outputs):
 
 
 @pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "none"])
 def test_layer_op_equals_the_op_by_op_path(model_dir, method):
-    """quill::quantized_decoder_layer calls the same kernels as the layer's modules do one by
-    one: the same log-probabilities to the bit, for decodes and prompt chunks."""
+    """quill::decoder_layer calls the same kernels as the layer's modules do one by
+    one: the same log-probabilities to the bit, for decodes and prompt chunks (float weights:
+    quill::dense_linear, here for every step's rows)."""
     llm = _quantized_llm(model_dir, method)
-    layers = llm.engine.runner.model.layers
-    assert all(layer._quantized_weights() is not None for layer in layers)
+    model = llm.engine.runner.model
+    if method == "none":
+        set_native_rows(model, 1 << 20)
+    layers = model.layers
+    assert all(layer._native_weights() is not None for layer in layers)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
     fused_out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     for layer in layers:
-        layer._quantized_cache = None  # the op-by-op path
+        layer._native_cache = None  # the op-by-op path
     plain_out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     for a, b in zip(fused_out, plain_out):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

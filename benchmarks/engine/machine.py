@@ -91,3 +91,41 @@ def matmul_params(cfg) -> int:
     attn = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
     return cfg.num_layers * (attn + mlp) + cfg.vocab_size * cfg.hidden_size
+
+
+def kernel_rates(cfg, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Each product kernel on the output head's shape (vocab x hidden, far beyond L2): weight
+    GB/s for one row (a batch-1 step's regime) and GFLOP/s for 256 rows (a prompt's), beside the
+    probe's bandwidth and the fp32 GEMM's rate in the plot. Native kernels only where built."""
+    from quill.ops import library, qlinear
+
+    n, k = cfg.vocab_size, cfg.hidden_size
+    w = torch.randn(n, k) * 0.05
+
+    def size(packed) -> int:
+        tensors = [t for t in vars(packed).values() if torch.is_tensor(t)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    kernels = {
+        "F.linear fp32": (lambda x, w=w: F.linear(x, w), 4 * n * k),
+        "F.linear bf16": (lambda x, w=w.bfloat16(): F.linear(x, w), 2 * n * k),
+    }
+    if library.load() is not None:
+        wb = w.bfloat16()
+        q8 = qlinear.pack(*qlinear.quantize_q8_0(w))
+        q4 = qlinear.pack_q4(*qlinear.quantize_q4_1(w))
+        kernels["quill dense bf16"] = (lambda x: torch.ops.quill.dense_linear(x, wb), 2 * n * k)
+        kernels["quill Q8_0"] = (lambda x: qlinear.native_q8_linear(x, q8), size(q8))
+        kernels["quill Q4_1"] = (lambda x: qlinear.native_q4_linear(x, q4), size(q4))
+    rates = {}
+    with torch.inference_mode():
+        for name, (fn, nbytes) in kernels.items():
+            dtype = torch.float32 if "fp32" in name else torch.bfloat16
+            one, many = torch.randn(1, k, dtype=dtype), torch.randn(256, k, dtype=dtype)
+            t_one = _best_time(lambda fn=fn, x=one: fn(x), repeats)
+            t_many = _best_time(lambda fn=fn, x=many: fn(x), repeats)
+            rates[name] = {
+                "GBps_1_row": nbytes / t_one / 1e9,
+                "GFLOPs_256_rows": 2 * 256 * n * k / t_many / 1e9,
+            }
+    return rates

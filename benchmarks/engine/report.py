@@ -1,7 +1,8 @@
 """The engine benchmark's report: markdown tables with ratios quill/peer, and a roofline plot.
 
 print_tables() pairs each peer with the quill variant of its precision class; plot() draws
-output tokens/s against batch size under the rooflines the machine's measured rates set.
+output tokens/s against batch size under the rooflines the machine's measured rates set, and
+beside it each product kernel's achieved GB/s and GFLOP/s against the probe and the GEMM.
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ def print_tables(results, columns, prompts, batches, long_batches, args) -> None
 
 
 def plot(results, columns, batches, long_batches, args) -> None:
+    """Left: output tokens/s against batch size under the rooflines (weights read at the
+    probe's rate, arithmetic at the fastest product kernel's). Right: what each product kernel
+    reaches on the head's shape, GB/s at one row and GFLOP/s at 256, beside the probe and the
+    fp32 GEMM."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,7 +130,8 @@ def plot(results, columns, batches, long_batches, args) -> None:
 
     cols = results["columns"]
     rates = results["rates"]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    kernels = rates.get("kernels") or {}
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=[3, 2])
     for c in columns:
         d = cols[c.name].get("decode", {})
         xs = [b for b in batches if b in d]
@@ -146,14 +152,18 @@ def plot(results, columns, batches, long_batches, args) -> None:
     lo, hi = math.log2(min(grid)), math.log2(max(grid)) + 0.5
     xs = [2 ** (lo + (hi - lo) * i / 200) for i in range(201)]
     params = rates["matmul_params_per_token"]
-    compute = rates["gemm_fp32_flops"] / (2 * params)
+    # The arithmetic bound: the fastest product measured (bf16 or int8 GEMMs beat fp32's).
+    peak = max([rates["gemm_fp32_flops"]] + [1e9 * k["GFLOPs_256_rows"] for k in kernels.values()])
+    compute = peak / (2 * params)
+    bandwidth = rates.get("read_probe_Bps") or rates["weight_stream_Bps"]
+    source = "probe" if rates.get("read_probe_Bps") else "F.linear stream"
     # One roofline per precision class, with the smallest weight footprint of that class.
     weights: dict[str, int] = {}
     for c in columns:
         if c.weight_bytes:
             weights[c.precision] = min(weights.get(c.precision, c.weight_bytes), c.weight_bytes)
     for i, (precision, wbytes) in enumerate(sorted(weights.items(), key=lambda kv: -kv[1])):
-        bound = [min(x * rates["weight_stream_Bps"] / wbytes, compute) for x in xs]
+        bound = [min(x * bandwidth / wbytes, compute) for x in xs]
         ax.plot(
             xs,
             bound,
@@ -161,16 +171,46 @@ def plot(results, columns, batches, long_batches, args) -> None:
             alpha=max(0.3, 1.0 - 0.25 * i),
             linestyle=["-", "--", "-.", ":"][i % 4],
             linewidth=1,
-            label=f"roofline {precision} ({wbytes / 1e6:.0f} MB, {wbytes / params:.2f} B/param)",
+            label=f"roofline {precision} ({wbytes / 1e6:.0f} MB at {bandwidth / 1e9:.0f} GB/s)",
         )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent sequences (batch)")
     ax.set_ylabel("output tokens/s")
     m = results["machine"]
-    ax.set_title(f"{m['cpu']}, {m['threads']} threads: decode vs roofline", fontsize=10)
+    ax.set_title(
+        f"{m['cpu']}, {m['threads']} threads: decode against the roofline\n"
+        f"(weights at the {source}'s rate, arithmetic at {peak / 1e9:.0f} GFLOP/s, the fastest "
+        "product measured)",
+        fontsize=9,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+    _plot_kernels(bars, rates)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
     plt.close(fig)
+
+
+def _plot_kernels(ax, rates) -> None:
+    kernels = rates.get("kernels") or {}
+    names = list(kernels)
+    ys = range(len(names))
+    gbps = [kernels[n]["GBps_1_row"] for n in names]
+    ax.barh([y + 0.2 for y in ys], gbps, height=0.4, color="tab:blue", label="GB/s, 1 row")
+    probe = rates.get("read_probe_Bps")
+    if probe:
+        ax.axvline(probe / 1e9, color="tab:blue", linestyle="--", linewidth=1)
+        ax.text(probe / 1e9, len(names) - 0.4, " read probe", color="tab:blue", fontsize=7)
+    flops = ax.twiny()
+    gflops = [kernels[n]["GFLOPs_256_rows"] for n in names]
+    flops.barh([y - 0.2 for y in ys], gflops, height=0.4, color="tab:orange")
+    gemm = rates["gemm_fp32_flops"] / 1e9
+    flops.axvline(gemm, color="tab:orange", linestyle="--", linewidth=1)
+    flops.text(gemm, -0.9, " fp32 GEMM", color="tab:orange", fontsize=7)
+    flops.set_xlabel("GFLOP/s at 256 rows (orange)", fontsize=8)
+    ax.set_xlabel("weight GB/s at 1 row (blue)", fontsize=8)
+    ax.set_yticks(list(ys), names, fontsize=8)
+    ax.set_ylim(-1.2, len(names) - 0.2)
+    ax.set_title("each product kernel on the output head's shape", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)

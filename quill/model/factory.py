@@ -125,13 +125,23 @@ def _cgroup_cpu_quota() -> int | None:
 
 
 def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
+    from quill.model.linear import choose_native_rows
     from quill.model.quant import choose_quantization, quantize_model
 
     max_rows = None
     if method == "auto":
         method, max_rows = choose_quantization(model, device)
     if method == "none":
-        log.info("weights: %s, not quantized", next(model.parameters()).dtype)
+        dtype = next(model.parameters()).dtype
+        native_rows = choose_native_rows(model) if device.type == "cpu" else 0
+        if native_rows:
+            log.info(
+                "weights: %s, not quantized; quill::dense_linear for steps of up to %d tokens",
+                dtype,
+                native_rows,
+            )
+        else:
+            log.info("weights: %s, not quantized", dtype)
         return
     # The output head too, in int8: its fp32 sums keep greedy choices (tests/test_quant.py).
     taken = quantize_model(model, method, max_rows, head=True, blocks=blocks)

@@ -1,28 +1,117 @@
 """Linear layers the model is built from, so that a quantized version can replace each one.
 
+`Linear` is `nn.Linear` with one addition: up to `native_max_rows` rows (a small step) it
+multiplies by quill's native float product (csrc/dense.cpp), which streams the weight as stored
+at 2-4x the rate of `F.linear` for a few rows; above that, and off the CPU, `F.linear`. The row
+count is measured at start-up (`choose_native_rows`); 0 keeps `F.linear` everywhere.
+
 `MergedLinear` holds several projections of the same input (q/k/v, gate/up) as one weight, so a
 checkpoint loads into one parameter and a quantizer sees one matrix, and returns the parts as
-separate outputs. It applies them part by part: row slices of the weight are contiguous views,
-and MKL ran two 1536-wide products ~20% faster than one 3072-wide on AVX2 (a 2000-token prompt
-2.03 s -> 1.54 s).
+separate outputs. Through `F.linear` it applies them part by part: row slices of the weight are
+contiguous views, and MKL ran two 1536-wide products ~20% faster than one 3072-wide on AVX2 (a
+2000-token prompt 2.03 s -> 1.54 s); the native product takes the whole weight at once.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quill.ops import library
 
-class MergedLinear(nn.Linear):
+log = logging.getLogger(__name__)
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dense(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, native_max_rows: int
+) -> torch.Tensor:
+    """x @ weight.T + bias, natively for up to `native_max_rows` rows on the CPU."""
+    if 0 < x.shape[0] <= native_max_rows and x.dim() == 2 and x.device.type == "cpu":
+        return torch.ops.quill.dense_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def native_possible(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in _NATIVE_DTYPES
+        and weight.stride(-1) == 1
+        and library.load() is not None
+    )
+
+
+class Linear(nn.Linear):
+    native_max_rows = 0  # rows up to which quill::dense_linear runs (set by choose_native_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense(x, self.weight, self.bias, self.native_max_rows)
+
+
+class MergedLinear(Linear):
     def __init__(self, in_features: int, parts: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(parts), bias)
         self.parts = list(parts)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if 0 < x.shape[0] <= self.native_max_rows:
+            y = dense(x, self.weight, self.bias, self.native_max_rows)
+            return list(y.split(self.parts, -1))
         outputs, offset = [], 0
         for rows in self.parts:
             bias = None if self.bias is None else self.bias[offset : offset + rows]
             outputs.append(F.linear(x, self.weight[offset : offset + rows], bias))
             offset += rows
         return outputs
+
+
+def best_time(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def choose_native_rows(model: nn.Module) -> int:
+    """Measure one layer's float products natively and through `F.linear` at 1 to 64 rows, here,
+    and set every `Linear` of the model (and the model's tied head) to run natively up to the
+    largest row count that was faster (contiguous from one row). Returns that count (0: none)."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    layer = [m for m in model.layers[0].modules() if isinstance(m, Linear)]
+    if not layer or not all(native_possible(m.weight) for m in linears):
+        return 0
+    max_rows, timings = 0, []
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        inputs = [torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in layer]
+
+        def run(native: bool, inputs=inputs, rows=rows) -> None:
+            for m, x in zip(layer, inputs):
+                dense(x, m.weight, m.bias, rows if native else 0)
+
+        t_float, t_native = best_time(lambda: run(False)), best_time(lambda: run(True))
+        timings.append(f"{rows}: {1e3 * t_float:.2f}/{1e3 * t_native:.2f} ms")
+        if t_native >= t_float:
+            break
+        max_rows = rows
+    log.info("float products: one layer F.linear/native by rows %s", ", ".join(timings))
+    set_native_rows(model, max_rows)
+    return max_rows
+
+
+def set_native_rows(model: nn.Module, max_rows: int) -> None:
+    """Every `Linear` of the model, and a tied head, native up to `max_rows` rows."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.native_max_rows = max_rows
+    model.native_max_rows = max_rows
+    for layer in model.layers:
+        layer.__dict__.pop("_native_cache", None)  # each layer looks its weights up anew

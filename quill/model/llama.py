@@ -11,13 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quill.errors import ModelLoadError
 from quill.model.attention import AttentionMetadata, paged_attention
 from quill.model.config import ModelConfig
-from quill.model.linear import MergedLinear
+from quill.model.linear import Linear, MergedLinear, dense, native_possible
 from quill.ops import fused
 
 
@@ -75,11 +74,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         parts = [self.q_size, self.kv_size, self.kv_size]
         self.qkv_proj = MergedLinear(hidden, parts, config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.down_proj = Linear(config.intermediate_size, hidden, bias=False)
 
     def forward(
         self,
@@ -93,11 +92,9 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output, not yet added to the residual stream (for the first
         layer, the embeddings and a zero residual). Returns (output, residual)."""
         n = x.shape[0]
-        weights = self._quantized_weights()
+        weights = self._native_weights()
         if weights is not None and n <= weights[-1] and meta.reference is None:
-            return self._quantized_layer(
-                x, residual, cos, sin, kv_cache, meta, weights[:-1]
-            ), residual
+            return self._native_layer(x, residual, cos, sin, kv_cache, meta, weights[:-1]), residual
         q, k, v = self.qkv_proj(self.input_layernorm(x, residual))
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -108,18 +105,19 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(h)
         return self.down_proj(fused.silu_mul(gate, up)), residual
 
-    def _quantized_weights(self) -> tuple | None:
-        """The layer's quantized weights for quill::quantized_decoder_layer, and the rows up to
-        which they are used; None where the layer does not qualify (float weights, biases, no
-        native library). Looked up once: quantization happens before the first step."""
-        if not hasattr(self, "_quantized_cache"):
-            self._quantized_cache = _quantized_layer_weights(self)
-        return self._quantized_cache
+    def _native_weights(self) -> tuple | None:
+        """The layer's weights for quill::decoder_layer, and the rows up to which all its
+        products run natively; None where the layer does not qualify (a product on F.linear,
+        biases, no native library). Looked up once: quantization and the measured row counts
+        are settled before the first step."""
+        if not hasattr(self, "_native_cache"):
+            self._native_cache = _native_layer_weights(self)
+        return self._native_cache
 
-    def _quantized_layer(self, x, residual, cos, sin, kv_cache, meta, weights) -> torch.Tensor:
+    def _native_layer(self, x, residual, cos, sin, kv_cache, meta, weights) -> torch.Tensor:
         qkv, o, gate_up, down = weights
         k_cache, v_cache = kv_cache
-        return torch.ops.quill.quantized_decoder_layer(
+        return torch.ops.quill.decoder_layer(
             x,
             residual,
             self.input_layernorm.weight,
@@ -144,29 +142,34 @@ class DecoderLayer(nn.Module):
         )
 
 
-def _quantized_layer_weights(layer: DecoderLayer) -> tuple | None:
+def _native_layer_weights(layer: DecoderLayer) -> tuple | None:
     from quill.model.quant import QuantizedLinear
 
     linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-    if not all(isinstance(m, QuantizedLinear) and m.native and m.bias is None for m in linears):
-        return None
-    if len({m.max_rows for m in linears}) != 1 or not fused.use_native(norms[0]):
+    if any(m.bias is not None for m in linears) or not fused.use_native(norms[0]):
         return None
     if norms[0].dtype != norms[1].dtype:
         return None
-    max_rows = linears[0].max_rows
-    weights = tuple(
-        [m.q8.codes, m.q8.scales, m.q8.sums]
-        if m.method == "int8"
-        else [m.q4.codes, m.q4.scales, m.q4.offsets]
-        for m in linears
-    )
-    return (*weights, max_rows if max_rows is not None else 1 << 62)
+    weights, limits = [], []
+    for m in linears:
+        if isinstance(m, QuantizedLinear) and m.native:
+            packed = m.q8 if m.method == "int8" else m.q4
+            third = packed.sums if m.method == "int8" else packed.offsets
+            weights.append([packed.codes, packed.scales, third])
+            limits.append(m.max_rows if m.max_rows is not None else 1 << 62)
+        elif isinstance(m, Linear) and m.native_max_rows > 0 and native_possible(m.weight):
+            weights.append([m.weight])
+            limits.append(m.native_max_rows)
+        else:
+            return None
+    return (*weights, min(limits))
 
 
 class LlamaForCausalLM(nn.Module):
     """Returns hidden states for every token; `compute_logits` maps only the sampled rows."""
+
+    native_max_rows = 0  # a tied head's rows for quill::dense_linear (quill/model/linear.py)
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -177,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
         self.init_rope(max_positions)
@@ -209,5 +212,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding table is the output head
-            return F.linear(self.norm(hidden), self.embed_tokens.weight)
+            return dense(self.norm(hidden), self.embed_tokens.weight, None, self.native_max_rows)
         return self.lm_head(self.norm(hidden))

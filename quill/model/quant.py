@@ -16,12 +16,12 @@ arithmetic, and there the float weights win; a module can keep them and use them
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quill.model.linear import best_time
 from quill.ops import library, qlinear
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def quantize_model(
         for parent, name, linear in _linears(layer):
             blocks_here = stored(f"layers.{i}.{name}.weight", method)
             setattr(parent, name, QuantizedLinear(linear, method, max_rows, blocks_here))
-        layer.__dict__.pop("_quantized_cache", None)  # the layer looks its weights up anew
+        layer.__dict__.pop("_native_cache", None)  # the layer looks its weights up anew
     if head:
         linear, name = model.lm_head, "lm_head.weight"
         if linear is None:
@@ -136,16 +136,6 @@ def quantize_model(
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     qlinear.move_to_huge_pages([m.q8 if m.method == "int8" else m.q4 for m in quantized])
     return taken
-
-
-def _best_time(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @torch.inference_mode()
@@ -173,7 +163,7 @@ def choose_quantization(model: nn.Module, device: torch.device) -> tuple[str, in
             for lin, x in zip(quantized, inputs):
                 lin(x)
 
-        t_float, t_int8 = _best_time(run_float), _best_time(run_int8)
+        t_float, t_int8 = best_time(run_float), best_time(run_int8)
         timings.append(f"{rows}: {1e3 * t_float:.2f}/{1e3 * t_int8:.2f} ms")
         if t_int8 >= t_float:
             break

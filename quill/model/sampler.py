@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from quill.engine.plan import SeqPlan
+from quill.ops import fused
 from quill.sampling_params import SamplingParams
 
 _F32_MAX = torch.finfo(torch.float32).max
@@ -54,7 +55,7 @@ class Sampler:
         raw_logits = logits.float()
         logits = prepare_logits(raw_logits, requests, self.end_token_ids)
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+            tokens = fused.argmax(logits)
         else:
             tokens = self._draw(processed_probs(logits, params), requests)
         token_list = tokens.tolist()
@@ -79,7 +80,7 @@ class Sampler:
             # Exp(1) can come out as exactly 0; p / 0 would be inf for every kept token and NaN
             # for the dropped ones, which argmax then prefers.
             noise.clamp_(min=_F32_TINY)
-            return (probs / noise).argmax(dim=-1)
+            return fused.argmax(probs / noise)
         except BaseException:
             for rid in ids:
                 if rid in saved:

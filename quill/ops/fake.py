@@ -37,6 +37,11 @@ def _q4_linear(x, codes, scales, offsets, bias=None, out_dtype=None) -> torch.Te
     return x.new_empty(rows, n, dtype=out_dtype or x.dtype)
 
 
+@torch.library.register_fake("quill::dense_linear")
+def _dense_linear(x, weight, bias=None, out_dtype=None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
+
+
 @torch.library.register_fake("quill::rms_norm")
 def _rms_norm(x, weight, eps) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -57,6 +62,11 @@ def _silu_mul(gate, up) -> torch.Tensor:
     return torch.empty_like(gate, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("quill::quantized_decoder_layer")
-def _quantized_decoder_layer(x, residual, *args) -> torch.Tensor:
+@torch.library.register_fake("quill::decoder_layer")
+def _decoder_layer(x, residual, *args) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("quill::argmax_rows")
+def _argmax_rows(x) -> torch.Tensor:
+    return x.new_empty(x.shape[0], dtype=torch.long)

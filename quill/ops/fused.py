@@ -1,4 +1,4 @@
-"""A decoder layer's small operations: one native op each where the library runs, else the
+"""A decoder layer's small operations (and the sampler's argmax): one native op each where the library runs, else the
 PyTorch sequence they replace (the reference the native ops are tested against).
 
 At a small batch these cost their operators, not their arithmetic: PyTorch runs RMSNorm as
@@ -79,3 +79,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if use_native(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
         return torch.ops.quill.silu_mul(gate, up)
     return F.silu(gate) * up
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the sampler's greedy choice), as `x.argmax(-1)`: natively for fp32
+    rows on the CPU (csrc/argmax.cpp; PyTorch's took 0.1 ms for one 49,152-logit row here)."""
+    native = x.device.type == "cpu" and x.dtype == torch.float32 and library.load() is not None
+    if native and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
+        return torch.ops.quill.argmax_rows(x)
+    return x.argmax(dim=-1)

@@ -33,8 +33,10 @@ SOURCES = (
     "write_kv.cpp",
     "probe.cpp",
     "qlinear.cpp",
+    "dense.cpp",
     "fused.cpp",
     "layer.cpp",
+    "argmax.cpp",
 )
 HEADERS = ("ops.h", "vec.h", "gemm.h", "cache_layout.h")
 
