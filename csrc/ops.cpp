@@ -42,6 +42,11 @@ TORCH_LIBRARY(quill, m) {
       "int num_kv_heads, int intermediate_size, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> Tensor");
+  m.def(
+      "decoder_stack(Tensor x, Tensor(a!) residual, Tensor[] norms, float eps, Tensor[] weights, "
+      "int[] tensors_per_weight, int num_heads, int num_kv_heads, int intermediate_size, "
+      "Tensor cos, Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("isa() -> str", &quill::isa);
   m.def("attention_kernel(ScalarType q_dtype, ScalarType kv_dtype) -> str", &quill::attention_kernel);
@@ -59,5 +64,6 @@ TORCH_LIBRARY_IMPL(quill, CPU, m) {
   m.impl("rope", &quill::rope);
   m.impl("silu_mul", &quill::silu_mul);
   m.impl("argmax_rows", &quill::argmax_rows);
+  m.impl("decoder_stack", &quill::decoder_stack);
   m.impl("decoder_layer", &quill::decoder_layer);
 }

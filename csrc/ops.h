@@ -84,6 +84,17 @@ at::Tensor decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Te
 // Each fp32 row's argmax as torch.argmax(x, -1) picks it (argmax.cpp).
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// Every layer of the model by decoder_layer in turn: norms two per layer (input, post), the
+// weights flattened (tensors_per_weight[4 * layer + p] of them for product p: 1 or 3), one k
+// and v cache per layer. Returns the last layer's down projection.
+at::Tensor decoder_stack(const at::Tensor& x, at::Tensor& residual, at::TensorList norms,
+                         double eps, at::TensorList weights, at::IntArrayRef tensors_per_weight,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t intermediate_size,
+                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+                         at::TensorList v_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale);
+
 // "avx2" or "avx512": the instruction set this library was compiled for.
 std::string isa();
 

@@ -19,8 +19,9 @@
 //   A block's product is d * sum(code * a) + c * sum(a).
 //
 // AVX-512 VNNI (vpdpbusd: u8 x s8, four products into each int32 lane): Q8 takes the activation
-// in as u8 = q + 128 and takes 128 x the block's code sum off afterwards (exact in int32); Q4's
-// codes are the u8 operand as they are. AVX2 (vpmaddubsw: u8 x s8 into saturating int16 pairs):
+// in as u8 = q + 128 and takes 128 x the block's code sum off afterwards (exact in int32), or,
+// for a single row, |q| against w with q's sign (no sums read; codes are in -127..127, which
+// quill/ops/qlinear.py's pack keeps); Q4's codes are the u8 operand as they are. AVX2 (vpmaddubsw: u8 x s8 into saturating int16 pairs):
 // Q8 multiplies |w| by q with w's sign, whose pair sums stay within 2 x 127 x 127 (no
 // saturation); Q4 multiplies the codes (at most 2 x 15 x 127); then vpmaddwd into int32. The
 // integer part is exact everywhere, so the libraries agree up to the order of the fp32 sums.
@@ -116,7 +117,22 @@ inline void block_dots(const uint8_t* block, int64_t tile_bytes, const Quantized
                        int64_t a0, int64_t k, __m512i (&dots)[T][R]) {
   for (int j = 0; j < T; ++j)
     for (int r = 0; r < R; ++r) dots[j][r] = _mm512_setzero_si512();
-  if constexpr (std::is_same_v<F, Q8>) {
+  if constexpr (std::is_same_v<F, Q8> && R == 1) {
+    // One row: vpdpbusd of |a| with w carrying a's sign (a's 4 codes are the same in every
+    // lane, so the sign is one byte mask for all 16 rows), which needs no code sums: a
+    // batch-1 step reads 34 bytes per 32 weights, as Q8_0 stores them, not 36.
+    const __m512i zero = _mm512_setzero_si512();
+    for (int g = 0; g < kBlock / 4; ++g) {
+      const __m512i a = _mm512_set1_epi32(four_codes(act, a0 + g * 4) ^ int32_t(0x80808080));
+      const __mmask64 negative = _mm512_movepi8_mask(a);
+      const __m512i magnitude = _mm512_abs_epi8(a);
+      for (int j = 0; j < T; ++j) {
+        __m512i w = _mm512_loadu_si512(block + j * tile_bytes + g * 64);
+        w = _mm512_mask_sub_epi8(w, negative, zero, w);
+        dots[j][0] = _mm512_dpbusd_epi32(dots[j][0], magnitude, w);
+      }
+    }
+  } else if constexpr (std::is_same_v<F, Q8>) {
     for (int g = 0; g < kBlock / 4; ++g) {
       __m512i a[R];
       for (int r = 0; r < R; ++r) a[r] = _mm512_set1_epi32(four_codes(act, a0 + r * k + g * 4));
@@ -164,7 +180,10 @@ void tile_rows(const uint8_t* codes, const fp16* scales, const void* extra, int6
     for (int j = 0; j < T; ++j) {
       const int64_t meta = j * blocks * kTile + b * kTile;
       __m512 wscale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + meta)));
-      if constexpr (std::is_same_v<F, Q8>) {
+      if constexpr (std::is_same_v<F, Q8> && R == 1) {
+        __m512 d = _mm512_mul_ps(wscale, _mm512_set1_ps(act.scales[row0 * blocks + b]));
+        sum[j][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[j][0]), d, sum[j][0]);
+      } else if constexpr (std::is_same_v<F, Q8>) {
         const int16_t* sums = static_cast<const int16_t*>(extra) + meta;
         __m512i offset = _mm512_slli_epi32(
             _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums))), 7);

@@ -64,6 +64,15 @@ def test_quantize_q8_0_round_trip():
     assert (err <= scales.float()[..., None] * 0.5 + w.abs().view(64, 3, 32) * 1e-3).all()
 
 
+def test_pack_reads_a_code_of_minus_128_as_minus_127():
+    """Q8_0's quantizer never writes -128; a file that does is read one step off there (the
+    one-row kernel negates codes)."""
+    codes = torch.full((16, 32), 5, dtype=torch.int8)
+    codes[3, 7] = -128
+    back, _ = qlinear.pack(codes, torch.ones(16, 1)).unpack()
+    assert back[3, 7] == -127 and (back[codes != -128] == 5).all()
+
+
 def test_pack_pads_rows_to_tiles_and_refuses_partial_blocks():
     w = torch.randn(24, 64)
     packed = qlinear.pack(*qlinear.quantize_q8_0(w))

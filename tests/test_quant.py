@@ -93,9 +93,10 @@ def test_int8_greedy_tokens_equal_float(model_dir, float_outputs):
 
 @pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 @pytest.mark.parametrize("method", ["int8", "int4", "none"])
-def test_layer_op_equals_the_op_by_op_path(model_dir, method):
-    """quill::decoder_layer calls the same kernels as the layer's modules do one by
-    one: the same log-probabilities to the bit, for decodes and prompt chunks (float weights:
+def test_layer_ops_equal_the_op_by_op_path(model_dir, method):
+    """quill::decoder_stack (every layer in one call) and quill::decoder_layer (one call a
+    layer) call the same kernels as the layer's modules do one by one: the same
+    log-probabilities to the bit, for decodes and prompt chunks (float weights:
     quill::dense_linear, here for every step's rows)."""
     llm = _quantized_llm(model_dir, method)
     model = llm.engine.runner.model
@@ -104,13 +105,27 @@ def test_layer_op_equals_the_op_by_op_path(model_dir, method):
     layers = model.layers
     assert all(layer._native_weights() is not None for layer in layers)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
-    fused_out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    calls = []
+    stack_op = torch.ops.quill.decoder_stack
+
+    def counted(*args):
+        calls.append(1)
+        return stack_op(*args)
+
+    torch.ops.quill.decoder_stack = counted
+    try:
+        stack_out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    finally:
+        torch.ops.quill.decoder_stack = stack_op
+    assert calls  # the stack ran
+    model.__dict__["_stack_cache"] = (llm.engine.runner.kv_caches, None)  # one op a layer
+    layer_out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     for layer in layers:
         layer._native_cache = None  # the op-by-op path
     plain_out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
-    for a, b in zip(fused_out, plain_out):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    for a, b, c in zip(stack_out, layer_out, plain_out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs == c.outputs[0].logprobs
 
 
 def _top2_margin(logprobs: dict[int, float]) -> float:

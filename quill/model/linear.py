@@ -113,5 +113,12 @@ def set_native_rows(model: nn.Module, max_rows: int) -> None:
         if isinstance(m, Linear):
             m.native_max_rows = max_rows
     model.native_max_rows = max_rows
+    forget_native_weights(model)
+
+
+def forget_native_weights(model: nn.Module) -> None:
+    """After the weights or their row counts change: each layer, and the model's stack, looks
+    its native weights up anew (quill/model/llama.py caches them)."""
+    model.__dict__.pop("_stack_cache", None)
     for layer in model.layers:
-        layer.__dict__.pop("_native_cache", None)  # each layer looks its weights up anew
+        layer.__dict__.pop("_native_cache", None)

@@ -9,6 +9,7 @@ The paged cache and the step's attention layout come in as arguments.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -166,6 +167,38 @@ def _native_layer_weights(layer: DecoderLayer) -> tuple | None:
     return (*weights, min(limits))
 
 
+@dataclass
+class NativeStack:
+    """quill::decoder_stack's per-layer arguments, flattened in layer order."""
+
+    norms: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    tensors_per_weight: list[int]
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    max_rows: int
+
+    @staticmethod
+    def of(layers, kv_caches: list) -> NativeStack | None:
+        per_layer = [layer._native_weights() for layer in layers]
+        if not per_layer or any(w is None for w in per_layer):
+            return None
+        norms = [
+            n
+            for layer in layers
+            for n in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        ]
+        products = [p for w in per_layer for p in w[:-1]]
+        return NativeStack(
+            norms,
+            [t for p in products for t in p],
+            [len(p) for p in products],
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            min(w[-1] for w in per_layer),
+        )
+
+
 class LlamaForCausalLM(nn.Module):
     """Returns hidden states for every token; `compute_logits` maps only the sampled rows."""
 
@@ -206,9 +239,42 @@ class LlamaForCausalLM(nn.Module):
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
         residual = torch.zeros_like(x)  # 0 + x is x: every layer adds into the residual
+        stack = self._native_stack(kv_caches)
+        if stack is not None and x.shape[0] <= stack.max_rows and meta.reference is None:
+            first = self.layers[0]
+            x = torch.ops.quill.decoder_stack(
+                x,
+                residual,
+                stack.norms,
+                first.input_layernorm.eps,
+                stack.weights,
+                stack.tensors_per_weight,
+                first.num_heads,
+                first.num_kv_heads,
+                first.gate_up_proj.parts[0],
+                cos,
+                sin,
+                stack.k_caches,
+                stack.v_caches,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                first.scale,
+            )
+            return residual.add_(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return residual.add_(x)
+
+    def _native_stack(self, kv_caches: list) -> NativeStack | None:
+        """Every layer's weights for quill::decoder_stack, or None unless every layer takes
+        quill::decoder_layer; looked up once per KV cache (the runner allocates it once)."""
+        cached = self.__dict__.get("_stack_cache")
+        if cached is None or cached[0] is not kv_caches:
+            cached = (kv_caches, NativeStack.of(self.layers, kv_caches))
+            self.__dict__["_stack_cache"] = cached
+        return cached[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding table is the output head

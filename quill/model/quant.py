@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quill.model.linear import best_time
+from quill.model.linear import best_time, forget_native_weights
 from quill.ops import library, qlinear
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,6 @@ def quantize_model(
         for parent, name, linear in _linears(layer):
             blocks_here = stored(f"layers.{i}.{name}.weight", method)
             setattr(parent, name, QuantizedLinear(linear, method, max_rows, blocks_here))
-        layer.__dict__.pop("_native_cache", None)  # the layer looks its weights up anew
     if head:
         linear, name = model.lm_head, "lm_head.weight"
         if linear is None:
@@ -133,6 +132,7 @@ def quantize_model(
         # The head in int8 for either method, as GGUF's Q4 files keep it in Q8_0: it is a fifth
         # of the default model's bytes, and its logits decide every greedy choice.
         model.lm_head = QuantizedLinear(linear, "int8", max_rows, stored(name, "int8"))
+    forget_native_weights(model)
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     qlinear.move_to_huge_pages([m.q8 if m.method == "int8" else m.q4 for m in quantized])
     return taken

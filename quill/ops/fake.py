@@ -67,6 +67,11 @@ def _decoder_layer(x, residual, *args) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("quill::decoder_stack")
+def _decoder_stack(x, residual, *args) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("quill::argmax_rows")
 def _argmax_rows(x) -> torch.Tensor:
     return x.new_empty(x.shape[0], dtype=torch.long)

@@ -1,5 +1,6 @@
-"""A decoder layer's small operations (and the sampler's argmax): one native op each where the library runs, else the
-PyTorch sequence they replace (the reference the native ops are tested against).
+"""A decoder layer's small operations (and the sampler's argmax): one native op each where the
+library runs, else the PyTorch sequence they replace (the reference the native ops are tested
+against).
 
 At a small batch these cost their operators, not their arithmetic: PyTorch runs RMSNorm as
 ~8 operators and the rotary embedding as ~12, a few microseconds each, ~1,200 per step of the

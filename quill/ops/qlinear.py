@@ -70,7 +70,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> PackedQ8:
     if k % BLOCK:
         raise ValueError(f"packing needs in_features divisible by {BLOCK}, got {k}")
     pad = -out_features % TILE
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    # -128 is never written by Q8_0's quantizer (round(x / (max|x| / 127))); the one-row kernel
+    # negates codes (csrc/qlinear.cpp), which -128 would overflow, so it is read as -127.
+    codes = torch.nn.functional.pad(codes.clamp(min=-127), (0, 0, 0, pad))
     scales = torch.nn.functional.pad(scales.to(torch.float16), (0, 0, 0, pad))
     n, blocks = out_features + pad, k // BLOCK
     tiled = codes.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
