@@ -1,4 +1,4 @@
-"""The weight products of a decode step: quill's Q8_0 kernel against PyTorch's, by rows.
+"""The weight products of a decode step: quill's kernels against PyTorch's, by rows.
 
 Why: at a small batch a decode step's time is its weight bytes, so the int8 kernel is judged by
 the rate it streams them at, against the read probe of the same run. One "pass" here is what
@@ -7,7 +7,10 @@ o 576 x 576, gate/up merged 3072 x 576, down 576 x 1536; 30 layers, so nothing i
 from the last-level cache), and, reported apart, the output head (49152 x 576). Each side
 runs its own weights in turn, alternating round by round, best of the rounds:
 
-- `q8`: quill::q8_linear (csrc/qlinear.cpp), 34 + 2 bytes per 32 weights;
+- `q8`: quill::q8_linear (csrc/qlinear.cpp), 34 + 2 bytes per 32 weights (one row reads 34:
+  it needs no code sums);
+- `q4`: quill::q4_linear, Q4_1's 16 + 4 bytes per 32 weights;
+- `dense`: quill::dense_linear (csrc/dense.cpp) on bf16 weights as stored, 2 bytes per weight;
 - `bf16`: F.linear on bf16 weights (PyTorch's CPU GEMM, oneDNN / MKL), 2 bytes per weight;
 - `int8pack`: torch._weight_int8pack_mm (per-channel int8, bf16 activations), the kernel
   quill's int8 used before its own.
@@ -44,7 +47,7 @@ class Side:
     def __init__(self, name: str, shapes: list[tuple[int, int]], seed: int) -> None:
         self.name = name
         g = torch.Generator().manual_seed(seed)
-        self.weights, self.bytes = [], 0
+        self.weights, self.bytes, self.unread_by_one_row = [], 0, 0
         for n, k in shapes:
             w = torch.randn(n, k, generator=g) * 0.05
             if name == "q8":
@@ -53,7 +56,15 @@ class Side:
                 self.bytes += sum(
                     t.numel() * t.element_size() for t in (packed.codes, packed.scales, packed.sums)
                 )
-            elif name == "bf16":
+                self.unread_by_one_row += packed.sums.numel() * 2
+            elif name == "q4":
+                packed = qlinear.pack_q4(*qlinear.quantize_q4_1(w))
+                self.weights.append(packed)
+                self.bytes += sum(
+                    t.numel() * t.element_size()
+                    for t in (packed.codes, packed.scales, packed.offsets)
+                )
+            elif name in ("bf16", "dense"):
                 self.weights.append(w.bfloat16())
                 self.bytes += n * k * 2
             else:
@@ -61,11 +72,20 @@ class Side:
                 codes = torch.round(w / scales[:, None]).to(torch.int8)
                 self.weights.append((codes, scales.bfloat16()))
                 self.bytes += n * k + n * 2
+        if name in ("q8", "q4"):
+            qlinear.move_to_huge_pages(self.weights)  # as the engine keeps them
+
+    def bytes_read(self, rows: int) -> int:
+        return self.bytes - (self.unread_by_one_row if rows == 1 else 0)
 
     def run(self, inputs: dict[int, torch.Tensor]) -> None:
         for w in self.weights:
             if self.name == "q8":
                 qlinear.native_q8_linear(inputs[w.in_features], w)
+            elif self.name == "q4":
+                qlinear.native_q4_linear(inputs[w.in_features], w)
+            elif self.name == "dense":
+                torch.ops.quill.dense_linear(inputs[w.shape[1]], w)
             elif self.name == "bf16":
                 F.linear(inputs[w.shape[1]], w)
             else:
@@ -86,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sides", default="q8,bf16,int8pack")
+    parser.add_argument("--sides", default="q8,q4,dense,bf16,int8pack")
     parser.add_argument("--json")
     args = parser.parse_args()
     native = library.load()
@@ -116,7 +136,7 @@ def main() -> None:
     print(f"\n{info['cpu']} ({' '.join(info['cpu_flags'])}), {torch.get_num_threads()} threads")
     print(f"library {native.isa}; probe (all threads) {bw / 1e9:.1f} GB/s; best of {args.rounds}\n")
     header = "| pass | rows | " + " | ".join(f"{n} ms (GB/s, of probe)" for n in names)
-    header += " | q8 / bf16 time | q8 / int8pack time |"
+    header += " | q8 / bf16 time | q8 / int8pack time | dense / bf16 time |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows_out = []
@@ -125,14 +145,14 @@ def main() -> None:
             cells, record = [], {"pass": part, "rows": rows}
             for name in names:
                 t = best[(part, rows, name)]
-                rate = sides[name].bytes / t
+                rate = sides[name].bytes_read(rows) / t
                 cells.append(f"{1e3 * t:.2f} ({rate / 1e9:.1f}, {100 * rate / bw:.0f}%)")
-                record[name] = {"seconds": t, "bytes": sides[name].bytes, "Bps": rate}
+                record[name] = {"seconds": t, "bytes": sides[name].bytes_read(rows), "Bps": rate}
             ratios = [
-                f"{best[(part, rows, 'q8')] / best[(part, rows, other)]:.2f}"
-                if other in names and "q8" in names
+                f"{best[(part, rows, mine)] / best[(part, rows, other)]:.2f}"
+                if other in names and mine in names
                 else ""
-                for other in ("bf16", "int8pack")
+                for mine, other in (("q8", "bf16"), ("q8", "int8pack"), ("dense", "bf16"))
             ]
             print(f"| {part} | {rows} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
             rows_out.append(record)

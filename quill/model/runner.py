@@ -84,6 +84,32 @@ class ModelRunner:
             self.block_size, num_blocks, self.dtype, self.device, native=why_not is None
         )
 
+    def _positions_and_slots(
+        self, seqs: list[SeqPlan], decode_positions: list[int], chunks: list[SeqPlan], padding: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's position and cache slot (block * block_size + offset): a decode's from
+        its one position, a prompt chunk's by tensor arithmetic over its positions."""
+        bs = self.block_size
+        decodes = seqs[: len(decode_positions)]
+        positions = [torch.tensor(decode_positions, dtype=torch.long)]
+        slots = [
+            torch.tensor(
+                [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, decode_positions)],
+                dtype=torch.long,
+            )
+        ]
+        for s in chunks:
+            chunk_positions = torch.arange(s.start, s.start + len(s.token_ids))
+            table = torch.tensor(s.block_table, dtype=torch.long)
+            positions.append(chunk_positions)
+            slots.append(table[chunk_positions // bs] * bs + chunk_positions % bs)
+        if padding:
+            positions.append(torch.zeros(padding, dtype=torch.long))
+            slots.append(torch.full((padding,), self.scratch_block * bs, dtype=torch.long))
+        if len(positions) == 1:
+            return positions[0], slots[0]
+        return torch.cat(positions), torch.cat(slots)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
@@ -91,30 +117,27 @@ class ModelRunner:
         # Decodes (one query) first, then prompt chunks: attention takes each group as a slice.
         seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) > 1)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        decode_positions: list[int] = []
         sample_rows: list[int] = []
         sampling: list[SeqPlan] = []
-        bs = self.block_size
+        chunks: list[SeqPlan] = []
         for s in seqs:
-            start, n, table = s.start, len(s.token_ids), s.block_table
             input_ids.extend(s.token_ids)
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if len(s.token_ids) == 1:
+                decode_positions.append(s.start)
+            else:
+                chunks.append(s)
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(s)
-
         # Padding tokens (compiled runs only) write their keys to the scratch block, unread.
         num_padding = self.padded_size(len(input_ids)) - len(input_ids)
-        if num_padding:
-            input_ids.extend([0] * num_padding)
-            positions.extend([0] * num_padding)
-            slots.extend([self.scratch_block * bs] * num_padding)
+        input_ids.extend([0] * num_padding)
+        pos, slots = self._positions_and_slots(seqs, decode_positions, chunks, num_padding)
         dev = self.device
-        meta = self.layout.build(seqs, torch.tensor(slots, dtype=torch.long, device=dev))
+        meta = self.layout.build(seqs, slots.to(dev))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        pos = pos.to(dev)
         hidden = self.forward(ids, pos, self.kv_caches, meta)
         if not sample_rows:
             return StepResult({}, {})
