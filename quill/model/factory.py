@@ -125,7 +125,7 @@ def _cgroup_cpu_quota() -> int | None:
 
 
 def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
-    from quill.model.linear import choose_native_rows
+    from quill.model.linear import choose_native_rows, choose_split
     from quill.model.quant import choose_quantization, quantize_model
 
     max_rows = None
@@ -134,6 +134,8 @@ def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
     if method == "none":
         dtype = next(model.parameters()).dtype
         native_rows = choose_native_rows(model) if device.type == "cpu" else 0
+        if device.type == "cpu":
+            choose_split(model)
         if native_rows:
             log.info(
                 "weights: %s, not quantized; quill::dense_linear for steps of up to %d tokens",

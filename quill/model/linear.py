@@ -7,9 +7,11 @@ count is measured at start-up (`choose_native_rows`); 0 keeps `F.linear` everywh
 
 `MergedLinear` holds several projections of the same input (q/k/v, gate/up) as one weight, so a
 checkpoint loads into one parameter and a quantizer sees one matrix, and returns the parts as
-separate outputs. Through `F.linear` it applies them part by part: row slices of the weight are
-contiguous views, and MKL ran two 1536-wide products ~20% faster than one 3072-wide on AVX2 (a
-2000-token prompt 2.03 s -> 1.54 s); the native product takes the whole weight at once.
+separate outputs. Through `F.linear` it applies them part by part or as one product, whichever
+measured faster at start-up (`split_products`): row slices of the weight are contiguous views,
+and MKL ran two 1536-wide fp32 products ~20% faster than one 3072-wide on AVX2 (a 2000-token
+prompt 2.03 s -> 1.54 s), where oneDNN's bf16 ran a layer's merged products 15-30% faster than
+its parts at 64 rows on a Zen 4; the native product takes the whole weight at once.
 """
 
 from __future__ import annotations
@@ -54,12 +56,14 @@ class Linear(nn.Linear):
 
 
 class MergedLinear(Linear):
+    split_products = True  # F.linear part by part (else one product; set by choose_split)
+
     def __init__(self, in_features: int, parts: list[int], bias: bool) -> None:
         super().__init__(in_features, sum(parts), bias)
         self.parts = list(parts)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if 0 < x.shape[0] <= self.native_max_rows:
+        if 0 < x.shape[0] <= self.native_max_rows or not self.split_products:
             y = dense(x, self.weight, self.bias, self.native_max_rows)
             return list(y.split(self.parts, -1))
         outputs, offset = [], 0
@@ -105,6 +109,39 @@ def choose_native_rows(model: nn.Module) -> int:
     log.info("float products: one layer F.linear/native by rows %s", ", ".join(timings))
     set_native_rows(model, max_rows)
     return max_rows
+
+
+@torch.inference_mode()
+def choose_split(model: nn.Module, rows: int = 128) -> bool:
+    """Measure one layer's merged projections through `F.linear` part by part and as one
+    product at `rows` rows (a prompt chunk's or a large batch's step), here, and set every
+    `MergedLinear` of the model to the faster. Returns whether parts won."""
+    merged = [m for m in model.modules() if isinstance(m, MergedLinear)]
+    layer = [m for m in model.layers[0].modules() if isinstance(m, MergedLinear)]
+    if not layer:
+        return True
+    inputs = [torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in layer]
+
+    def run(split: bool) -> None:
+        for m, x in zip(layer, inputs):
+            m.split_products, native = split, m.native_max_rows
+            m.native_max_rows = 0
+            m(x)
+            m.native_max_rows = native
+
+    t_split, t_merged = best_time(lambda: run(True)), best_time(lambda: run(False))
+    split = t_split < t_merged
+    log.info(
+        "float products: one layer's merged projections at %d rows in parts %.2f ms, as one "
+        "%.2f ms: %s",
+        rows,
+        1e3 * t_split,
+        1e3 * t_merged,
+        "parts" if split else "one",
+    )
+    for m in merged:
+        m.split_products = split
+    return split
 
 
 def set_native_rows(model: nn.Module, max_rows: int) -> None:
