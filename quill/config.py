@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 
@@ -17,6 +18,13 @@ QUANTIZATIONS = ("none", "int8", "int4", "auto")
 # auto: 16-bit, as the model's dtype when that is 16-bit, else bf16 where the CPU has bf16
 # arithmetic and fp16 (F16C) where it does not.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class SchedulingPolicy(StrEnum):
+    """The order requests are served in (quill/engine/request_queue.py)."""
+
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # lower `priority` first (vLLM's --scheduling-policy priority)
 
 
 @dataclass
@@ -45,11 +53,10 @@ class EngineConfig:
     hardware: str | None = None
     price_per_hour: float | None = None  # USD, to put a price on every request
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier prompts
-    scheduling_policy: str = "fcfs"  # fcfs | priority (lower `priority` first)
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # a string is taken too
     priority_aging: float = 10.0  # seconds of waiting worth one priority level (inf: none)
     # Refuse a request at once when its predicted time to first token exceeds this (seconds).
     max_ttft_slo: float | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -66,10 +73,11 @@ class EngineConfig:
             raise ValueError(f"unknown load_format {self.load_format!r}")
         if self.price_per_hour is not None and not self.price_per_hour > 0:
             raise ValueError(f"price_per_hour must be positive, got {self.price_per_hour}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in tuple(SchedulingPolicy):
             raise ValueError(
                 f"unknown scheduling_policy {self.scheduling_policy!r} (fcfs | priority)"
             )
+        self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         if not self.priority_aging > 0:
             raise ValueError(f"priority_aging must be positive (or inf), got {self.priority_aging}")
         if self.max_ttft_slo is not None and not (

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from quill.argtypes import checked, positive, rate
-from quill.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from quill.config import KV_CACHE_DTYPES, QUANTIZATIONS, SchedulingPolicy
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scheduling-policy",
         default="fcfs",
-        choices=("fcfs", "priority"),
+        choices=[p.value for p in SchedulingPolicy],
         help="fcfs: arrival order; priority: lower `priority` of a request first (default fcfs)",
     )
     parser.add_argument(

@@ -108,13 +108,6 @@ def features(cost: StepCost, shape: BatchShape) -> list[float]:
     ]
 
 
-def step_kind(shape: BatchShape) -> str:
-    """decode (only decodes), prefill (no decode) or mixed."""
-    if shape.num_prefill_tokens == 0:
-        return "decode"
-    return "prefill" if shape.num_decode_tokens == 0 else "mixed"
-
-
 def fit_calibration(
     costs: Sequence[StepCost],
     shapes: Sequence[BatchShape],

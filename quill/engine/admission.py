@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from quill.config import SchedulingPolicy
 from quill.cost.batch import BatchShape
 from quill.engine.request import Request
 from quill.engine.request_queue import priority_key
@@ -102,7 +103,7 @@ class AdmissionControl:
         slo_s: float | None,
         timer: StepTimer,
         token_budget: int,
-        policy: str = "fcfs",
+        policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         priority_aging: float = math.inf,
     ) -> None:
         if slo_s is not None and not (slo_s > 0 and math.isfinite(slo_s)):
@@ -120,7 +121,7 @@ class AdmissionControl:
         self.step_s += 0.2 * ((end - start) - self.step_s)
 
     def order_key(self, request: Request) -> tuple:
-        if self.policy == "fcfs":
+        if self.policy == SchedulingPolicy.FCFS:
             return (request.arrival_time,)
         return priority_key(request.priority, request.arrival_time, self.priority_aging)
 

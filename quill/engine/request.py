@@ -90,10 +90,6 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 

@@ -25,9 +25,9 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
+from quill.config import SchedulingPolicy
 from quill.engine.request import Request
 
-POLICIES = ("fcfs", "priority")
 DEFAULT_PRIORITY_AGING = 10.0  # seconds of waiting worth one priority level
 
 
@@ -99,17 +99,15 @@ def priority_key(priority: int, arrival_time: float, aging: float) -> tuple:
     return (priority * aging + arrival_time,)
 
 
-def make_waiting_queue(policy: str, aging: float = DEFAULT_PRIORITY_AGING):
-    if policy == "fcfs":
+def make_waiting_queue(policy: SchedulingPolicy, aging: float = DEFAULT_PRIORITY_AGING):
+    if SchedulingPolicy(policy) is SchedulingPolicy.FCFS:
         return FcfsQueue()
-    if policy == "priority":
-        return PriorityQueue(aging)
-    raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
+    return PriorityQueue(aging)
 
 
-def add_running(running: list[Request], request: Request, policy: str) -> None:
+def add_running(running: list[Request], request: Request, policy: SchedulingPolicy) -> None:
     """Put a newly admitted request in the running list where the policy wants it."""
-    if policy == "fcfs":
+    if policy == SchedulingPolicy.FCFS:
         running.append(request)
     else:
         key = (request.priority, request.arrival_time)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from quill.config import SchedulingPolicy
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request, RequestStatus
 from quill.engine.request_queue import DEFAULT_PRIORITY_AGING, add_running, make_waiting_queue
@@ -58,7 +59,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
-        policy: str = "fcfs",
+        policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         priority_aging: float = DEFAULT_PRIORITY_AGING,
     ) -> None:
         self.kv = kv
@@ -80,7 +81,7 @@ class Scheduler:
                 f"({self.kv.num_blocks * self.kv.block_size} tokens)",
                 param="prompt",
             )
-        if request.priority != 0 and self.policy != "priority":
+        if request.priority != 0 and self.policy != SchedulingPolicy.PRIORITY:
             raise InvalidRequestError(
                 f"priority {request.priority} needs the priority scheduling policy "
                 "(--scheduling-policy priority)",
