@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine.machine import machine_info  # noqa: E402
+from quill.model.linear import best_time  # noqa: E402
 from quill.ops import library, probe, qlinear  # noqa: E402
 
 LAYERS = 30
@@ -92,16 +92,6 @@ class Side:
                 torch._weight_int8pack_mm(inputs[w[0].shape[1]], *w)
 
 
-def timed(fn, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16")
@@ -127,7 +117,7 @@ def main() -> None:
             inputs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
             for part, sides in passes.items():
                 for name in order:
-                    t = timed(lambda s=sides[name], x=inputs: s.run(x))
+                    t = best_time(lambda s=sides[name], x=inputs: s.run(x), repeats=3)
                     key = (part, rows, name)
                     best[key] = min(best.get(key, float("inf")), t)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
