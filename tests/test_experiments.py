@@ -12,7 +12,12 @@ import pytest
 from quill.bench.experiments import batching, cost, interference, load, reading
 from quill.bench.experiments.report import Section, Table, render_report
 from quill.bench.experiments.scenario import Script, SimSide, play, stream_ids
-from quill.bench.experiments.stats import gap_stats, integrate_steps, per_million, percentile
+from quill.bench.experiments.stats import (
+    gap_stats,
+    integrate_steps,
+    per_million,
+    percentile_or_none,
+)
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import ModelSpec
 from quill.cost.step import CostModel
@@ -107,7 +112,7 @@ def test_gap_stats_on_hand_made_token_times():
     assert stats["after_arrival_p50_s"] == 1.0  # 4, 1, 1, 3, 1
     assert stats["after_first_token_p50_s"] == pytest.approx(2.0)  # 4, 1, 3, 1
     assert gap_stats(times, ["a"], 0.0, None)["ttft_s"] is None
-    assert percentile([], 99) is None
+    assert percentile_or_none([], 99) is None
 
 
 def test_interference_script_on_the_simulator():

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from quill.sim.metrics import SLO
+from quill.sim.metrics import SLO, percentile
 
 PERCENTILES = (50, 90, 99)
 
@@ -39,24 +39,6 @@ class Timed(Protocol):
     token_source: str | None
     status: int | None
     error: str | None
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) of `values`, linearly interpolated between ranks.
-
-    With the values sorted as x[0..n-1], h = (n - 1) * q / 100 and the answer is
-    x[floor(h)] + (h - floor(h)) * (x[floor(h) + 1] - x[floor(h)]).
-    """
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be within 0..100, got {q}")
-    x = sorted(values)
-    h = (len(x) - 1) * q / 100
-    low = math.floor(h)
-    if low == len(x) - 1:
-        return x[low]
-    return x[low] + (h - low) * (x[low + 1] - x[low])
 
 
 def describe(values: Sequence[float], scale: float = 1000.0) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from quill.engine.request import Request
@@ -47,13 +48,26 @@ class Distribution:
             cumulative.append(running)
         out = {"count": n, "mean": math.fsum(v * c for v, c in items) / n * scale}
         for q in PERCENTILES:
-            out[f"p{q}"] = _percentile(values, cumulative, q) * scale
+            out[f"p{q}"] = weighted_percentile(values, cumulative, q) * scale
         out["max"] = values[-1] * scale
         return out
 
 
-def _percentile(values: list[float], cumulative: list[int], q: float) -> float:
-    """Linear interpolation between the sorted samples at ranks floor(h) and ceil(h)."""
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of `values`, linearly interpolated between ranks (numpy's
+    default): with the values sorted as x[0..n-1] and h = (n - 1) * q / 100, it is
+    x[floor(h)] + (h - floor(h)) * (x[floor(h) + 1] - x[floor(h)]). The one definition the
+    benchmark client, the experiments and the simulator share."""
+    if len(values) == 0:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be within 0..100, got {q}")
+    return weighted_percentile(sorted(values), range(1, len(values) + 1), q)
+
+
+def weighted_percentile(values: Sequence[float], cumulative: Sequence[int], q: float) -> float:
+    """`percentile` of sorted distinct `values` where value i occurs up to cumulative count
+    `cumulative[i]` (a value -> count map, as the simulator keeps its distributions)."""
     h = (cumulative[-1] - 1) * q / 100
 
     def at(rank: int) -> float:

@@ -10,19 +10,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-import numpy as np
+from quill.sim.metrics import percentile
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile, interpolated linearly between ranks (numpy's default, and the
-    simulator's), or None for no values."""
-    if len(values) == 0:
-        return None
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+def percentile_or_none(values: Sequence[float], q: float) -> float | None:
+    """The shared `percentile` (quill/sim/metrics.py), or None for no values."""
+    return percentile(values, q) if len(values) else None
 
 
 def median(values: Sequence[float]) -> float | None:
-    return percentile(values, 50)
+    return percentile_or_none(values, 50)
 
 
 def gaps(times: Sequence[float]) -> list[float]:
@@ -53,12 +50,12 @@ def gap_stats(
                 joined.append(gap)
     return {
         "num_gaps": len(every),
-        "p50_s": percentile(every, 50),
-        "p99_s": percentile(every, 99),
+        "p50_s": percentile_or_none(every, 50),
+        "p99_s": percentile_or_none(every, 99),
         "longest_stall_s": max(every) if every else None,
-        "before_arrival_p50_s": percentile(before, 50),
-        "after_arrival_p50_s": percentile(after, 50),
-        "after_first_token_p50_s": percentile(joined, 50),
+        "before_arrival_p50_s": percentile_or_none(before, 50),
+        "after_arrival_p50_s": percentile_or_none(after, 50),
+        "after_first_token_p50_s": percentile_or_none(joined, 50),
         "ttft_s": None if first_token is None else first_token - arrival,
     }
 
