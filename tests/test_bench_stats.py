@@ -159,4 +159,3 @@ def test_summary_with_nothing_done():
     s = summarize_run(records, duration=0.0)
     assert s["completed"] == 0 and s["request_throughput"] is None
     assert s["ttft_ms"]["count"] == 0 and s["peak_output_throughput"] is None
-
