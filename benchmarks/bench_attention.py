@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine.machine import machine_info  # noqa: E402
-from quill.engine.plan import SeqPlan  # noqa: E402
+from quill.contract.plan import SeqPlan  # noqa: E402
 from quill.model.attention import AttentionLayout, paged_attention  # noqa: E402
 from quill.ops import library, memory, probe  # noqa: E402
 from quill.ops.reference import kv_cache_shapes  # noqa: E402

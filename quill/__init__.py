@@ -1,7 +1,7 @@
 """quill: an inference server for language models."""
 
-from quill.engine.outputs import CompletionOutput, RequestOutput
-from quill.sampling_params import SamplingParams
+from quill.contract.outputs import CompletionOutput, RequestOutput
+from quill.contract.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

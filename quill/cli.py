@@ -18,7 +18,7 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args):
-    from quill.sampling_params import SamplingParams
+    from quill.contract.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=args.max_tokens,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from quill.config import EngineConfig
+from quill.contract.outputs import RequestOutput
+from quill.contract.sampling_params import SamplingParams
 from quill.engine.llm_engine import LLMEngine
-from quill.engine.outputs import RequestOutput
-from quill.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 

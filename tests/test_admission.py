@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from quill.contract.errors import OverloadedError
+from quill.contract.plan import SeqPlan, StepResult
+from quill.contract.sampling_params import SamplingParams
 from quill.cost.batch import BatchShape
-from quill.engine.admission import AdmissionControl, OverloadedError, QueueState, StepTimer
+from quill.engine.admission import AdmissionControl, QueueState, StepTimer
 from quill.engine.core import EngineCore
 from quill.engine.kv_cache import KVCacheManager
-from quill.engine.plan import SeqPlan, StepResult
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler
-from quill.sampling_params import SamplingParams
 
 
 class LinearTimer:
@@ -84,7 +85,7 @@ def test_priority_counts_only_the_requests_ahead():
 
 class FakeExecutor:
     def execute(self, plan):
-        return StepResult({s.request_id: 1 for s in plan.seqs if s.samples})
+        return StepResult({s.request_id: [1] for s in plan.seqs if s.samples})
 
 
 class StepClock:

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quill.engine.plan import SeqPlan
+from quill.contract.plan import SeqPlan
 from quill.model.attention import AttentionLayout, native_supported, paged_attention
 from quill.ops import library
 from tests.conftest import NATIVE, run_native_tests_with_avx2

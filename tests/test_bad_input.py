@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quill import LLM, SamplingParams
-from quill.errors import InvalidRequestError, ModelLoadError
+from quill.contract.errors import InvalidRequestError, ModelLoadError
 from tests.conftest import PROMPTS
 
 

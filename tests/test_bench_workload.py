@@ -99,7 +99,7 @@ def prompts(default_dir) -> ExactPrompts:
 @pytest.fixture(scope="module")
 def server_tokenizer(default_dir):
     """The tokenizer as quill's server loads it (transformers), to count as the server does."""
-    from quill.engine.tokenizer import Tokenizer
+    from quill.frontend.tokenizer import Tokenizer
 
     return Tokenizer.load(default_dir)
 

@@ -7,11 +7,11 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quill.contract.sampling_params import SamplingParams
 from quill.engine.block_pool import BlockPool
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler
-from quill.sampling_params import SamplingParams
 
 
 def check_invariants(scheduler: Scheduler, content: dict[int, list] | None = None) -> None:
@@ -128,7 +128,7 @@ def run_step(scheduler: Scheduler, content: dict[int, list] | None = None) -> No
                 assert kv.pool.ref_counts[block] >= 1
                 content[block][pos % kv.block_size] = token
     # A deterministic "model": the next token is the position; recompute must give it again.
-    sampled = {s.request.request_id: s.request.num_tokens for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [s.request.num_tokens] for s in out.scheduled if s.samples}
     scheduler.update(out, sampled)
     for s in out.scheduled:
         if s.samples:
@@ -161,7 +161,7 @@ def test_scheduler_preempts_latest_and_resumes():
     scheduler.add_request(second)
     out = scheduler.schedule()
     assert [s.num_tokens for s in out.scheduled] == [8, 8]  # 2 blocks each: the pool is full
-    scheduler.update(out, {"a": 8, "b": 8})
+    scheduler.update(out, {"a": [8], "b": [8]})
     out = scheduler.schedule()  # both need a third block for position 8: "b" must yield
     assert out.preempted == ["b"]
     assert [s.request.request_id for s in out.scheduled] == ["a"]

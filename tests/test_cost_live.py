@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from quill import SamplingParams
+from quill.contract.plan import SeqPlan, StepPlan
 from quill.cost.hardware import HardwareSpec
 from quill.cost.live import CostAccountant, find_calibration
 from quill.cost.model import ModelSpec
 from quill.cost.step import CostModel
-from quill.engine.plan import SeqPlan, StepPlan
 
 # SmolLM2-135M by hand: 30 layers of q/k/v/o (576x576, 2 x 576x192, 576x576) and a 3 x 576x1536
 # MLP; the tied 49152 x 576 embedding maps sampled rows to logits; 9 heads of 64.

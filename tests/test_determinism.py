@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from quill.engine.plan import SeqPlan
+from quill.contract.plan import SeqPlan
+from quill.contract.sampling_params import SamplingParams
 from quill.model.sampler import Sampler
-from quill.sampling_params import SamplingParams
 from tests.conftest import PROMPTS
 
 # fp32 rounding of logits through 30 layers: measured differences are ~1e-6; far below this.

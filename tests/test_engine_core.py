@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from quill import SamplingParams
+from quill.contract.plan import SeqPlan, StepPlan, StepResult
 from quill.engine.clock import VirtualClock
 from quill.engine.core import EngineCore
 from quill.engine.kv_cache import KVCacheManager
-from quill.engine.plan import SeqPlan, StepPlan, StepResult
 from quill.engine.record import read_steps
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler
@@ -21,7 +21,7 @@ from tests.conftest import write_tiny_config
 
 def test_core_and_plan_import_no_torch():
     code = (
-        "import sys; import quill.engine.core, quill.engine.plan, quill.engine.scheduler, "
+        "import sys; import quill.engine.core, quill.contract.plan, quill.engine.scheduler, "
         "quill.engine.block_pool, quill.engine.request, quill.engine.record, "
         "quill.engine.llm_engine, quill.engine_args; "
         "assert 'torch' not in sys.modules, 'torch imported'"
@@ -53,7 +53,7 @@ class _CountingExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         self.clock.advance(0.5)
-        return StepResult({s.request_id: 100 + plan.step_id for s in plan.seqs if s.samples})
+        return StepResult({s.request_id: [100 + plan.step_id] for s in plan.seqs if s.samples})
 
 
 def test_core_runs_on_any_executor_and_clock():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from quill import SamplingParams
-from quill.engine.detokenizer import IncrementalDetokenizer
 from quill.engine.request import Request
+from quill.frontend.detokenizer import IncrementalDetokenizer
 from quill.model.sampler import _top_k_top_p, apply_penalties
 from tests.conftest import PROMPTS
 

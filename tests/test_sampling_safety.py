@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quill import SamplingParams
-from quill.engine.plan import SeqPlan
-from quill.errors import InvalidRequestError
+from quill.contract.errors import InvalidRequestError
+from quill.contract.plan import SeqPlan
+from quill.contract.sampling_params import GREEDY_TEMPERATURE
 from quill.model.sampler import Sampler, apply_penalties, prepare_logits
-from quill.sampling_params import GREEDY_TEMPERATURE
 
 F32_MAX = torch.finfo(torch.float32).max
 # exclude_min would make hypothesis step to a subnormal, which flush-to-zero breaks.

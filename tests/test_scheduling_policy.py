@@ -7,11 +7,11 @@ import math
 
 import pytest
 
+from quill.contract.errors import InvalidRequestError
+from quill.contract.sampling_params import SamplingParams
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler
-from quill.errors import InvalidRequestError
-from quill.sampling_params import SamplingParams
 
 
 def request(rid: str, priority: int, arrival: float, prompt: int = 4, out: int = 1) -> Request:
@@ -30,7 +30,7 @@ def admission_order(scheduler: Scheduler) -> list[str]:
         for s in out.scheduled:
             if s.request.request_id not in order:
                 order.append(s.request.request_id)
-        scheduler.update(out, {s.request.request_id: 1 for s in out.scheduled if s.samples})
+        scheduler.update(out, {s.request.request_id: [1] for s in out.scheduled if s.samples})
     raise AssertionError("requests left unfinished")
 
 
@@ -57,11 +57,11 @@ def test_the_victim_is_the_least_important_not_the_latest_admitted():
     low = request("low", 1, 0.0, prompt=8, out=8)
     scheduler.add_request(low)
     out = scheduler.schedule()
-    scheduler.update(out, {"low": 8})
+    scheduler.update(out, {"low": [8]})
     scheduler.add_request(request("high", 0, 1.0, prompt=8, out=8))
     out = scheduler.schedule()  # low's third block, then high's two: the pool is full
     assert [s.request.request_id for s in out.scheduled] == ["low", "high"]
-    scheduler.update(out, {"low": 9, "high": 8})
+    scheduler.update(out, {"low": [9], "high": [8]})
     assert [r.request_id for r in scheduler.running] == ["high", "low"]
     assert kv.pool.num_free_blocks == 0
     out = scheduler.schedule()
@@ -78,7 +78,7 @@ def test_a_less_important_request_never_preempts_a_more_important_one():
     scheduler.add_request(high)
     scheduler.add_request(low)
     out = scheduler.schedule()
-    scheduler.update(out, {"high": 6, "low": 8})
+    scheduler.update(out, {"high": [6], "low": [8]})
     out = scheduler.schedule()
     assert out.preempted == ["low"]  # it yields its own blocks rather than take "high"'s
     assert [s.request.request_id for s in out.scheduled] == ["high"]

@@ -133,8 +133,8 @@ def test_simulator_schedules_like_the_real_engine(tmp_path, model_dir):
     """The same arrivals (two waves, a pool small enough to preempt, prompts sharing prefixes)
     give the same plans, prefix cache hits included."""
     from quill.config import EngineConfig
+    from quill.contract.sampling_params import SamplingParams
     from quill.engine.llm_engine import LLMEngine
-    from quill.sampling_params import SamplingParams
     from quill.sim.replica import PromptTokens
 
     write_tiny_config(tmp_path, model_dir)
@@ -198,7 +198,7 @@ def test_simulator_schedules_like_the_real_engine(tmp_path, model_dir):
             params = SamplingParams(max_tokens=items[rid].output_tokens, ignore_eos=True)
             engine.add_request(prompts[rid], params, request_id=rid)
         engine.step()
-        plan = engine.last_step.plan
+        plan = engine.last_plan
         plans.append([(s.request_id, s.start, s.num_tokens) for s in plan.seqs])
     assert plans == replica.step_log
     assert engine.scheduler.kv.stats == sim_kv

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from quill import SamplingParams
+from quill.contract.plan import SeqPlan, StepPlan, StepResult
 from quill.engine.clock import VirtualClock
 from quill.engine.core import EngineCore
 from quill.engine.kv_cache import KVCacheManager
-from quill.engine.plan import SeqPlan, StepPlan, StepResult
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler
 from quill.model.sampler import Sampler
@@ -33,8 +33,8 @@ class _PoisonableExecutor:
         bad = [s.request_id for s in plan.seqs if s.request_id in self.poisoned]
         if bad:
             raise RuntimeError(f"cannot run {bad}")
-        sampled = {s.request_id: _token(s) for s in plan.seqs if s.samples}
-        return StepResult(sampled, {rid: (-1.0, []) for rid in sampled})
+        sampled = {s.request_id: [_token(s)] for s in plan.seqs if s.samples}
+        return StepResult(sampled, {rid: [(-1.0, [])] for rid in sampled})
 
 
 def _token(seq: SeqPlan) -> int:
@@ -90,7 +90,7 @@ def test_a_poisoned_request_fails_alone(caplog):
     # One step, one report: the listener saw each step once, never with the failed request.
     assert len(listener.plans) == len({p.step_id for p in executor.plans})
     assert all(s.request_id != "p" for plan in listener.plans for s in plan.seqs)
-    assert core.last_step.plan is listener.plans[-1]
+    assert core.last_plan is listener.plans[-1]
     # No KV block leaked, and the engine keeps serving.
     assert core.scheduler.kv.pool.num_free_blocks == NUM_BLOCKS
     again = _run(core, ["c"])

@@ -15,8 +15,8 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from quill.engine.plan import StepPlan, StepResult
-from quill.sampling_params import SamplingParams
+from quill.contract.plan import StepPlan, StepResult
+from quill.contract.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class _FastForward:
     (The requests are greedy, so the real runner keeps no per-request sampler state to free.)"""
 
     def execute(self, plan: StepPlan) -> StepResult:
-        return StepResult({s.request_id: 0 for s in plan.seqs if s.samples})
+        return StepResult({s.request_id: [0] for s in plan.seqs if s.samples})
 
 
 def plan_kind(plan: StepPlan) -> str:
@@ -131,19 +131,18 @@ class Sweep:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         return self.engine.add_request(self._prompt(n), params, request_id=f"sweep-{self._counter}")
 
-    def _step(self, real: bool, budget: int) -> StepPlan | None:
+    def _step(self, real: bool, budget: int) -> tuple[StepPlan | None, float]:
+        """(the plan that ran, its seconds), or (None, 0) when the step ran no pass."""
         engine = self.engine
         engine.core.executor = self.real if real else self.fake
-        engine.scheduler.token_budget = budget
-        before = engine.last_step
-        engine.step()
-        stats = engine.last_step
-        return None if stats is before else stats.plan
+        engine.set_token_budget(budget)
+        _, stats = engine.step_with_stats()
+        return (None, 0.0) if stats is None else (engine.last_plan, stats.duration)
 
     def run_case(self, case: Case, on_step: Callable[[], None] | None = None) -> list[MeasuredStep]:
         engine = self.engine
         scheduler = engine.scheduler
-        base_budget = scheduler.token_budget
+        base_budget = engine.token_budget
         if case.step_tokens > base_budget:
             raise ValueError(
                 f"case {case.label} needs {case.step_tokens} tokens per step; the engine's "
@@ -159,7 +158,7 @@ class Sweep:
                 # Fast-forward the prompts (all at once: a fake step costs only scheduling),
                 # done once nothing waits and no chunk was left partial.
                 while True:
-                    plan = self._step(False, case.decodes * (case.context + 1))
+                    plan, _ = self._step(False, case.decodes * (case.context + 1))
                     if plan is None:
                         raise RuntimeError(f"case {case.label}: the engine scheduled nothing")
                     if not scheduler.num_waiting and all(s.samples for s in plan.seqs):
@@ -170,13 +169,12 @@ class Sweep:
                     ids += [self._add(prompt, 1) for _ in range(case.chunks)]
                     if case.chunk_start:
                         self._step(False, case.decodes + case.chunks * case.chunk_start)
-                plan = self._step(True, case.decodes + case.chunks * case.chunk)
+                plan, duration = self._step(True, case.decodes + case.chunks * case.chunk)
                 if plan is None:
                     raise RuntimeError(f"case {case.label}: the engine scheduled nothing")
                 if i >= case.warmup:
                     seqs = [(s.start, len(s.token_ids), s.samples, s.is_decode) for s in plan.seqs]
-                    stats = engine.last_step
-                    measured.append(MeasuredStep(case.label, plan_kind(plan), stats.duration, seqs))
+                    measured.append(MeasuredStep(case.label, plan_kind(plan), duration, seqs))
                 if on_step is not None:
                     on_step()
         finally:
@@ -185,7 +183,7 @@ class Sweep:
             while engine.has_unfinished_requests():  # aborts take effect in the next step
                 self._step(False, base_budget)
             engine.core.executor = self.real
-            scheduler.token_budget = base_budget
+            engine.set_token_budget(base_budget)
         return measured
 
     def run(self, cases: Iterable[Case], desc: str = "steps", progress: bool = True):

@@ -23,19 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from quill.config import SchedulingPolicy
+from quill.contract.errors import OverloadedError
 from quill.cost.batch import BatchShape
 from quill.engine.request import Request
 from quill.engine.request_queue import priority_key
-from quill.errors import QuillError
-
-
-class OverloadedError(QuillError):
-    """The request would wait past its TTFT SLO (HTTP 503 with Retry-After)."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.message = message
-        self.retry_after = retry_after
 
 
 class StepTimer:

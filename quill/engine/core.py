@@ -16,34 +16,16 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from quill.contract.errors import InvalidRequestError
+from quill.contract.messages import StepStats
+from quill.contract.plan import Executor, SampleLogprobs, SeqPlan, StepPlan, StepResult
+from quill.contract.sampling_params import SamplingParams
 from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
-from quill.engine.plan import Executor, SeqPlan, StepPlan, StepResult
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler, SchedulerOutput
-from quill.errors import InvalidRequestError
-from quill.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    """What one step did; the server turns these into Prometheus metrics."""
-
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_scheduled_requests: int
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    duration: float
-    plan: StepPlan | None = None
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
 
 
 @dataclass
@@ -52,7 +34,8 @@ class CoreOutput:
 
     advanced: list[Request] = field(default_factory=list)  # got a new token this step
     finished: list[Request] = field(default_factory=list)  # ended (any reason, errors too)
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    stats: StepStats | None = None  # set when a model pass ran
 
 
 class EngineCore:
@@ -86,10 +69,19 @@ class EngineCore:
         self._ended_ids: list[str] = []  # for the next plan's finished_request_ids
         self._next_step_id = 0
         self.last_step: StepStats | None = None
+        self.last_plan: StepPlan | None = None  # what the last pass that ran computed
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+    def set_token_budget(self, num_tokens: int) -> None:
+        """Tokens per step from the next step on (measuring code varies it between steps)."""
+        if num_tokens < 1:
+            raise ValueError(f"the token budget must be positive, got {num_tokens}")
+        self.scheduler.token_budget = num_tokens
+        if self.admission is not None:
+            self.admission.token_budget = num_tokens
 
     # -- requests (any thread) -------------------------------------------------------------
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -132,9 +124,11 @@ class EngineCore:
             self._live_ids.add(request.request_id)
             self._pending.append(("add", request))
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, reason: str = "abort", stop_reason=None) -> None:
+        """End a request at the next step: "abort", or "stop" with the stop string the front
+        end found."""
         with self._lock:
-            self._pending.append(("abort", request_id))
+            self._pending.append(("abort", (request_id, reason, stop_reason)))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
@@ -175,7 +169,7 @@ class EngineCore:
                     with self._lock:
                         self._unsnapshotted.append(item)
             else:
-                request = self.finish_request(item, "abort")
+                request = self.finish_request(*item)
                 if request is not None:
                     out.finished.append(request)
 
@@ -225,17 +219,20 @@ class EngineCore:
         out.finished += finished
         out.logprobs = result.logprobs
         num_decode = ran.num_decode_tokens
-        self.last_step = StepStats(
+        kv = self.scheduler.kv
+        out.stats = self.last_step = StepStats(
             num_prefill_tokens=ran.num_tokens - num_decode,
             num_decode_tokens=num_decode,
             num_scheduled_requests=len(ran.seqs),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.scheduler.kv.usage,
+            kv_cache_usage=kv.usage,
             num_preemptions=len(sched.preempted),
             duration=end - start,
-            plan=ran,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
         )
+        self.last_plan = ran
         for listener in self.step_listeners:
             listener.on_step(ran, start, end)
 

@@ -12,7 +12,7 @@ import json
 import threading
 from pathlib import Path
 
-from quill.engine.plan import StepPlan
+from quill.contract.plan import StepPlan
 
 
 def step_record(plan: StepPlan, start: float, end: float) -> dict:

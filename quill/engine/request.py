@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from quill.sampling_params import SamplingParams
+from quill.contract.outputs import RequestMetrics
+from quill.contract.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -92,6 +93,33 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    def metrics(self, cost=None) -> RequestMetrics:
+        """Its timings so far (and `cost`, a quill.cost.live.RequestCost, when priced)."""
+        t = self.times
+
+        def since(a, b):
+            return None if a is None or b is None else a - b
+
+        end = t.finished
+        return RequestMetrics(
+            arrival_time=t.arrival,
+            queue_time=since(t.first_scheduled, t.arrival),
+            time_to_first_token=since(t.first_token, t.arrival),
+            mean_inter_token_latency=t.itl_sum / t.num_itl if t.num_itl else None,
+            max_inter_token_latency=t.itl_max if t.num_itl else None,
+            prefill_time=since(t.first_token, t.first_scheduled),
+            decode_time=since(end, t.first_token),
+            e2e_latency=since(end, t.arrival),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_output_tokens,
+            num_preemptions=self.num_preemptions,
+            num_cached_tokens=self.num_cached_tokens,
+            predicted_time_to_first_token=self.predicted_ttft,
+            flops=cost.flops if cost else None,
+            bytes_moved=cost.bytes_moved if cost else None,
+            cost_usd=cost.cost_usd if cost else None,
+        )
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

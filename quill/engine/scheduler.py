@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from quill.config import SchedulingPolicy
+from quill.contract.errors import InvalidRequestError
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request, RequestStatus
 from quill.engine.request_queue import DEFAULT_PRIORITY_AGING, add_running, make_waiting_queue
-from quill.errors import InvalidRequestError
 
 
 @dataclass(slots=True)
@@ -207,9 +207,11 @@ class Scheduler:
         self.waiting.push_preempted(request)
 
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, int], now: float = 0.0
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float = 0.0
     ) -> tuple[list[Request], list[Request]]:
-        """Apply a step's results. Returns (requests that got a token, requests that finished)."""
+        """Apply a step's results: each sampling request's tokens in order, up to the first
+        that ends it (the rest are dropped). Returns (requests that got tokens, requests that
+        finished)."""
         advanced: list[Request] = []
         finished: list[Request] = list(out.finished)
         done = RequestStatus.FINISHED
@@ -220,14 +222,16 @@ class Scheduler:
             request.num_computed_tokens += s.num_tokens
             if not s.samples:
                 continue
-            token = sampled[request.request_id]
-            request.output_token_ids.append(token)
-            request.times.on_token(now)
             advanced.append(request)
-            reason, stop_reason = self._check_stop(request, token)
-            if reason is not None:
-                self.finish_request(request.request_id, reason, stop_reason)
-                finished.append(request)
+            # Speculative decoding will count only the accepted drafts as computed here.
+            for token in sampled[request.request_id]:
+                request.output_token_ids.append(token)
+                request.times.on_token(now)
+                reason, stop_reason = self._check_stop(request, token)
+                if reason is not None:
+                    self.finish_request(request.request_id, reason, stop_reason)
+                    finished.append(request)
+                    break
         return advanced, finished
 
     def _check_stop(self, request: Request, token: int) -> tuple[str | None, int | None]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quill.engine.plan import SeqPlan
+from quill.contract.plan import SeqPlan
 from quill.ops import library, reference
 
 log = logging.getLogger(__name__)

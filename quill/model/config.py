@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from quill.errors import ModelLoadError
+from quill.contract.errors import ModelLoadError
 
 # Architectures that share the Llama block: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 SUPPORTED_ARCHITECTURES = {

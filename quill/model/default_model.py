@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from quill.config import cache_dir
-from quill.errors import ModelLoadError
+from quill.contract.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from quill.config import EngineConfig
-from quill.engine.tokenizer import Tokenizer
-from quill.errors import InvalidRequestError
+from quill.contract.errors import InvalidRequestError
+from quill.frontend.tokenizer import Tokenizer
 from quill.model.config import ModelConfig, generation_config_eos_ids
 from quill.model.loader import (
     load_model,
@@ -33,7 +33,8 @@ class ModelExecutor:
     """A loaded model ready to execute plans, with what the engine must know about it."""
 
     runner: ModelRunner
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer  # loaded here for the end-of-text ids; the front end loads its own
+    tokenizer_source: Path
     model_config: ModelConfig
     hf_config: dict
     model_path: Path
@@ -86,6 +87,7 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
     return ModelExecutor(
         runner,
         tokenizer,
+        tok_source,
         loaded.config,
         loaded.hf_config,
         model_path,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quill.errors import ModelLoadError
+from quill.contract.errors import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quill.errors import ModelLoadError
+from quill.contract.errors import ModelLoadError
 from quill.model.gguf_config import (
     GGUF_ARCHITECTURES,
     _dequantize,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quill.errors import ModelLoadError
+from quill.contract.errors import ModelLoadError
 from quill.model.attention import AttentionMetadata, paged_attention
 from quill.model.config import ModelConfig
 from quill.model.linear import Linear, MergedLinear, dense, native_possible

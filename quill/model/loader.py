@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from quill.errors import ModelLoadError
+from quill.contract.errors import ModelLoadError
 from quill.model.config import ModelConfig
 from quill.model.llama import LlamaForCausalLM
 from quill.ops.library import cpu_flags

@@ -1,19 +1,22 @@
 """The model runner: the torch executor that turns a step plan into sampled tokens.
 
-It owns the model, the KV cache tensors, the attention workspaces and the sampler. Per step it
-lays the scheduled tokens out flat (decodes first, no padding), builds the attention layout for
-the paged cache, runs one forward pass with both passed in, maps only the rows that sample to
-logits, and samples them.
+It owns the model, the KV cache tensors, the attention workspaces and the sampler. A step is
+two calls: `forward` lays the scheduled tokens out flat (one-query rows first, no padding),
+builds the attention layout for the paged cache, runs one pass with both passed in and maps
+only the rows that sample to logits; `sample` takes those logits with each row's sampling
+inputs (parameters, history, token mask) and picks the tokens. Between the two is where a
+token mask is made or draft tokens are checked.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from quill.engine.plan import SeqPlan, StepPlan, StepResult
+from quill.contract.plan import SeqPlan, StepPlan, StepResult
 from quill.model.attention import AttentionLayout, native_supported
 from quill.model.llama import LlamaForCausalLM
 from quill.model.sampler import Sampler, SampleResult
@@ -21,6 +24,14 @@ from quill.ops import memory
 from quill.ops.reference import kv_cache_shapes
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardOutput:
+    """A pass's logits, one row per sampling sequence, in `rows` order."""
+
+    logits: torch.Tensor | None  # [len(rows), vocab]; None when nothing samples
+    rows: list[SeqPlan]
 
 
 class ModelRunner:
@@ -85,16 +96,16 @@ class ModelRunner:
         )
 
     def _positions_and_slots(
-        self, seqs: list[SeqPlan], decode_positions: list[int], chunks: list[SeqPlan], padding: int
+        self, seqs: list[SeqPlan], single_positions: list[int], chunks: list[SeqPlan], padding: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's position and cache slot (block * block_size + offset): a decode's from
-        its one position, a prompt chunk's by tensor arithmetic over its positions."""
+        """Each token's position and cache slot (block * block_size + offset): a one-query
+        row's from its one position, a chunk's by tensor arithmetic over its positions."""
         bs = self.block_size
-        decodes = seqs[: len(decode_positions)]
-        positions = [torch.tensor(decode_positions, dtype=torch.long)]
+        singles = seqs[: len(single_positions)]
+        positions = [torch.tensor(single_positions, dtype=torch.long)]
         slots = [
             torch.tensor(
-                [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, decode_positions)],
+                [s.block_table[p // bs] * bs + p % bs for s, p in zip(singles, single_positions)],
                 dtype=torch.long,
             )
         ]
@@ -110,21 +121,26 @@ class ModelRunner:
             return positions[0], slots[0]
         return torch.cat(positions), torch.cat(slots)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """The executor's one call: `forward`, then `sample`."""
+        return self.sample(self.forward_pass(plan))
+
+    @torch.inference_mode()
+    def forward_pass(self, plan: StepPlan) -> ForwardOutput:
+        """Run the model over the plan's tokens; the logits of the rows that sample."""
         for request_id in plan.finished_request_ids:
             self.sampler.free(request_id)
-        # Decodes (one query) first, then prompt chunks: attention takes each group as a slice.
-        seqs = sorted(plan.seqs, key=lambda s: len(s.token_ids) > 1)
+        # One-query rows first, then longer chunks: attention takes each group as a slice.
+        seqs = sorted(plan.seqs, key=lambda s: not s.is_single_query)
         input_ids: list[int] = []
-        decode_positions: list[int] = []
+        single_positions: list[int] = []
         sample_rows: list[int] = []
         sampling: list[SeqPlan] = []
         chunks: list[SeqPlan] = []
         for s in seqs:
             input_ids.extend(s.token_ids)
-            if len(s.token_ids) == 1:
-                decode_positions.append(s.start)
+            if s.is_single_query:
+                single_positions.append(s.start)
             else:
                 chunks.append(s)
             if s.samples:
@@ -133,17 +149,24 @@ class ModelRunner:
         # Padding tokens (compiled runs only) write their keys to the scratch block, unread.
         num_padding = self.padded_size(len(input_ids)) - len(input_ids)
         input_ids.extend([0] * num_padding)
-        pos, slots = self._positions_and_slots(seqs, decode_positions, chunks, num_padding)
+        pos, slots = self._positions_and_slots(seqs, single_positions, chunks, num_padding)
         dev = self.device
         meta = self.layout.build(seqs, slots.to(dev))
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = pos.to(dev)
         hidden = self.forward(ids, pos, self.kv_caches, meta)
         if not sample_rows:
-            return StepResult({}, {})
+            return ForwardOutput(None, [])
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden[rows])
-        result: SampleResult = self.sampler(logits, sampling)
-        sampled = {s.request_id: t for s, t in zip(sampling, result.token_ids)}
-        logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs) if lp is not None}
+        return ForwardOutput(self.model.compute_logits(hidden[rows]), sampling)
+
+    @torch.inference_mode()
+    def sample(self, forward: ForwardOutput) -> StepResult:
+        """Pick each sampling row's tokens from its logits and its sampling inputs."""
+        if forward.logits is None:
+            return StepResult({}, {})
+        rows = forward.rows
+        result: SampleResult = self.sampler(forward.logits, rows)
+        sampled = {s.request_id: [t] for s, t in zip(rows, result.token_ids)}
+        logprobs = {s.request_id: [lp] for s, lp in zip(rows, result.logprobs) if lp is not None}
         return StepResult(sampled, logprobs)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quill.engine.plan import SeqPlan
+from quill.contract.plan import SeqPlan
+from quill.contract.sampling_params import SamplingParams
 from quill.ops import fused
-from quill.sampling_params import SamplingParams
 
 _F32_MAX = torch.finfo(torch.float32).max
 _F32_TINY = torch.finfo(torch.float32).tiny
@@ -51,6 +51,11 @@ class Sampler:
         self.request_generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[SeqPlan]) -> SampleResult:
+        if any(r.draft_token_ids for r in requests):
+            raise NotImplementedError(
+                "draft tokens came with a step, but quill verifies no drafts yet (speculative "
+                "decoding is not built)"
+            )
         params = [r.sampling_params for r in requests]
         raw_logits = logits.float()
         logits = prepare_logits(raw_logits, requests, self.end_token_ids)
@@ -108,7 +113,29 @@ def prepare_logits(
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_F32_MAX)
     if any(r.sampling_params.uses_penalties for r in requests):
         logits = apply_penalties(logits, requests)
+    if any(r.token_bitmask is not None for r in requests):
+        logits = apply_token_masks(logits, requests)
     return suppress_ends(logits, requests, end_token_ids)
+
+
+def apply_token_masks(logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
+    """Bars every token outside a row's `token_bitmask` (bit t of byte t // 8, least
+    significant first; tokens past the mask's end are barred). Writes into `logits`."""
+    vocab = logits.shape[-1]
+    rows = [i for i, r in enumerate(requests) if r.token_bitmask is not None]
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for k, i in enumerate(rows):
+        bits = torch.frombuffer(bytearray(requests[i].token_bitmask), dtype=torch.uint8)
+        # Unpack each byte into its 8 bits, least significant first.
+        unpacked = (bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        flat = unpacked.flatten()[:vocab].bool()
+        if not flat.any():
+            raise ValueError(f"request {requests[i].request_id}'s token mask allows no token")
+        allowed[k, : flat.numel()] = flat
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    barred = ~allowed.to(logits.device)
+    logits[index] = logits[index].masked_fill(barred, float("-inf"))
+    return logits
 
 
 def suppress_ends(

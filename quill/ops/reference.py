@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quill.engine.plan import SeqPlan
+from quill.contract.plan import SeqPlan
 
 
 def kv_cache_shapes(

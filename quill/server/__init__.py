@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: `quill serve`.
 
 protocol (request schemas) -> app (routes) -> completions / chat (endpoint logic) -> generation
-(fan-out and streaming of engine requests) -> async_engine (engine thread) ; metrics, errors,
-serve (CLI and uvicorn).
+(fan-out and streaming of engine requests) -> engine_client (the engine process, over ZeroMQ);
+metrics, errors, serve (CLI and uvicorn).
 """

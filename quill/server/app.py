@@ -53,7 +53,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        ctx.engine.start()
+        await ctx.engine.start()
         try:
             yield
         finally:
@@ -112,7 +112,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
             "object": "model",
             "created": ctx.created,
             "owned_by": "quill",
-            "root": str(ctx.engine.engine.model_path),
+            "root": ctx.engine.info.model_path,
             "parent": None,
             "max_model_len": ctx.max_model_len,
         }

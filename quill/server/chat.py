@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from quill.engine.outputs import RequestOutput, TokenLogprobs
-from quill.engine.tokenizer import Tokenizer
-from quill.errors import InvalidRequestError, ModelLoadError
+from quill.contract.errors import InvalidRequestError, ModelLoadError
+from quill.contract.outputs import RequestOutput, TokenLogprobs
+from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
 from quill.server.generation import (
     Generation,
@@ -53,7 +53,7 @@ async def create_chat_completion(
     # No default cap for chat: the reply may run to the end of the context, as with OpenAI.
     params = [req.sampling_params(None, req.num_logprobs, j) for j in range(req.num_choices)]
     gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", arrival_time)
-    gen.submit([prompt], params, req.scheduling())
+    await gen.submit([prompt], params, req.scheduling())
     fmt = _Formatter(gen, model, tok, req.top_logprobs or 0)
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from quill.engine.outputs import RequestOutput, TokenLogprobs
-from quill.engine.tokenizer import Tokenizer
+from quill.contract.outputs import RequestOutput, TokenLogprobs
+from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
 from quill.server.generation import (
     Generation,
@@ -38,20 +38,19 @@ async def create_completion(
             ctx.check_prompt_length(p)
     special = req.add_special_tokens is not False
 
-    def encode() -> tuple[list[list[int]], list[str]]:
-        for p in prompts:
-            if not isinstance(p, str):  # before decoding it for echo
-                ctx.engine.engine.check_token_ids(p)
+    def encode() -> list[list[int]]:
         ids = [tok.encode(p, special) if isinstance(p, str) else list(p) for p in prompts]
-        ids = [req.truncate(i, ctx.max_model_len) for i in ids]
-        texts = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts]
-        return ids, texts
+        return [req.truncate(i, ctx.max_model_len) for i in ids]
 
-    token_prompts, echoes = await asyncio.to_thread(encode)
+    def echo_texts() -> list[str]:  # token ids are known to be in the vocabulary by now
+        return [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts]
+
+    token_prompts = await asyncio.to_thread(encode)
     n = req.num_choices
     params = [req.sampling_params(_DEFAULT_MAX_TOKENS, req.logprobs, j) for j in range(n)]
     gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", arrival_time)
-    gen.submit(token_prompts, params, req.scheduling())
+    await gen.submit(token_prompts, params, req.scheduling())
+    echoes = await asyncio.to_thread(echo_texts) if req.echo else [""] * len(prompts)
     fmt = _Formatter(gen, model, tok, [echoes[i // n] for i in range(gen.num_choices)])
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)

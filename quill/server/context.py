@@ -5,15 +5,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from quill.engine.tokenizer import Tokenizer
-from quill.server.async_engine import AsyncEngine
+from quill.frontend.tokenizer import Tokenizer
+from quill.server.engine_client import EngineClient
 from quill.server.errors import APIError
 from quill.server.metrics import ServerMetrics
 
 
 @dataclass
 class ServerContext:
-    engine: AsyncEngine
+    engine: EngineClient
     metrics: ServerMetrics
     served_model_names: list[str]
     api_key: str | None = None
@@ -33,11 +33,11 @@ class ServerContext:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     def check_model(self, name: str | None) -> str:
         """The served name a request asked for (the first one when it named none); 404 else."""

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quill.errors import InvalidRequestError
+from quill.contract.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import Response
 
-from quill.engine.admission import OverloadedError
-from quill.engine.outputs import RequestMetrics, RequestOutput
-from quill.engine.tokenizer import Tokenizer
-from quill.sampling_params import SamplingParams
-from quill.server.async_engine import EngineFailure
+from quill.contract.errors import OverloadedError
+from quill.contract.outputs import RequestMetrics, RequestOutput
+from quill.contract.sampling_params import SamplingParams
+from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
+from quill.server.engine_client import EngineFailure
 from quill.server.errors import APIError, error_body
 
 T = TypeVar("T")
@@ -44,7 +44,7 @@ class Generation:
         self.num_generated: dict[int, int] = {}  # tokens so far, per choice
         self.num_cached: dict[int, int] = {}  # prompt tokens found in the prefix cache, per choice
 
-    def submit(
+    async def submit(
         self,
         prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
@@ -52,29 +52,23 @@ class Generation:
     ) -> None:
         """Add len(prompts) * len(params) engine requests; all or none (InvalidRequestError).
         `scheduling`: priority, cache_salt and ttft_slo, as the engine's add_request takes them."""
-        # A request that can never be served is a 400 whatever the load: validated before the
-        # queue is asked for room.
-        core = self.ctx.engine.engine.core
+        # A request that can never be served is a 400 whatever the load: every one is checked
+        # (quill.frontend.inputs) before the queue is asked for room.
+        inputs = self.ctx.engine.inputs
+        requests = []
         for prompt in prompts:
+            self.prompt_lens.append(len(prompt))
             for p in params:
-                core.resolve_max_tokens(len(prompt), p)
-        self.ctx.check_capacity(len(prompts) * len(params), "prompt" if len(prompts) > 1 else "n")
-        try:
-            for prompt in prompts:
-                self.prompt_lens.append(len(prompt))
-                for p in params:
-                    index = len(self.engine_ids)
-                    engine_id = f"{self.request_id}-{index}"
-                    self.ctx.engine.add(
-                        prompt,
-                        p,
-                        engine_id,
-                        self.arrival_time,
-                        self.queue,
-                        index,
-                        **(scheduling or {}),
+                engine_id = f"{self.request_id}-{len(requests)}"
+                requests.append(
+                    inputs.make_request(
+                        prompt, p, engine_id, self.arrival_time, **(scheduling or {})
                     )
-                    self.engine_ids.append(engine_id)
+                )
+        self.ctx.check_capacity(len(requests), "prompt" if len(prompts) > 1 else "n")
+        self.engine_ids = [r.request_id for r in requests]
+        try:
+            await self.ctx.engine.add(requests, None, self.queue)
         except EngineFailure as e:
             self.abort()
             raise APIError(503, str(e), "server_error", headers={"Retry-After": "1"}) from e

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from quill.engine.outputs import RequestOutput
+from quill.contract.messages import StepStats
+from quill.contract.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -178,39 +179,11 @@ class ServerMetrics:
         self._last_token: dict[str, float] = {}
 
     def on_step(
-        self,
-        outputs: Iterable[RequestOutput],
-        now: float,
-        num_batched_tokens: int | None,
-        num_preemptions: int,
-        num_running: int,
-        num_waiting: int,
-        kv_usage: float,
-        priced=None,
-        utilization: tuple[float, float] | None = None,
-        prefix_cache: tuple[int, int] = (0, 0),
+        self, outputs: Iterable[RequestOutput], stats: StepStats | None, now: float
     ) -> None:
-        """Record one step. `num_batched_tokens` is None when the step ran no model pass;
-        `priced` (a quill.cost.live.PricedStep) is given when the step was priced;
-        `prefix_cache` is the engine's (queries, hits) so far, in tokens."""
-        if prefix_cache != self._prefix_seen:
-            self.prefix_cache_queries.inc(prefix_cache[0] - self._prefix_seen[0])
-            self.prefix_cache_hits.inc(prefix_cache[1] - self._prefix_seen[1])
-            self._prefix_seen = prefix_cache
-        if num_batched_tokens is not None:
-            self.iteration_tokens.observe(num_batched_tokens)
-        if priced is not None:
-            self.step_predicted.observe(priced.cost.predicted_s)
-            self.step_measured.observe(priced.measured_s)
-            self.step_efficiency.observe(priced.roofline_efficiency)
-            if utilization is not None:
-                self.mfu.set(utilization[0])
-                self.mbu.set(utilization[1])
-        if num_preemptions:
-            self.preemptions.inc(num_preemptions)
-        self.running.set(num_running)
-        self.waiting.set(num_waiting)
-        self.kv_usage.set(kv_usage)
+        """Record one step's outputs, and its stats when it ran a model pass."""
+        if stats is not None:
+            self._on_stats(stats)
         produced = 0
         for out in outputs:
             if out.outputs[0].delta_token_ids:
@@ -224,6 +197,27 @@ class ServerMetrics:
                 self._on_finished(out)
         if produced:
             self.batch_size.observe(produced)
+
+    def _on_stats(self, stats: StepStats) -> None:
+        prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        if prefix_cache != self._prefix_seen:
+            self.prefix_cache_queries.inc(prefix_cache[0] - self._prefix_seen[0])
+            self.prefix_cache_hits.inc(prefix_cache[1] - self._prefix_seen[1])
+            self._prefix_seen = prefix_cache
+        if stats.num_batched_tokens:  # a model pass ran
+            self.iteration_tokens.observe(stats.num_batched_tokens)
+        price = stats.price
+        if price is not None:
+            self.step_predicted.observe(price.predicted_s)
+            self.step_measured.observe(price.measured_s)
+            self.step_efficiency.observe(price.roofline_efficiency)
+            self.mfu.set(price.mfu)
+            self.mbu.set(price.mbu)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
 
     def _on_finished(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -23,8 +23,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from quill.errors import InvalidRequestError
-from quill.sampling_params import SamplingParams
+from quill.contract.errors import InvalidRequestError
+from quill.contract.sampling_params import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # torch.Generator.manual_seed takes any int in this range; a seed outside it would fail inside

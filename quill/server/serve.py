@@ -1,8 +1,11 @@
 """`quill serve [MODEL]`: command-line flags, engine start-up and the uvicorn server.
 
-SIGINT (Ctrl-C) and SIGTERM stop the server cleanly: new requests are refused, requests in
-flight are aborted so their streams end at once (finish_reason "abort"), then uvicorn closes
-the connections and the engine thread ends. A second Ctrl-C forces the exit.
+The engine runs in a process of its own (quill/engine/process.py), started and loaded before
+the port is bound. SIGINT (Ctrl-C) and SIGTERM stop the server cleanly: new requests are
+refused, requests in flight are aborted so their streams end at once (finish_reason "abort"),
+uvicorn closes the connections and the engine process is told to stop and waited for. A second
+Ctrl-C forces the exit. If the engine process dies, requests in flight fail at once, /health
+answers 503, and a second later the server exits with status 1 for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -92,6 +95,14 @@ class QuillServer(uvicorn.Server):
         self.announce = announce
         self.loop: asyncio.AbstractEventLoop | None = None
         self.base_url: str | None = None
+        self.exit_code = 0
+        ctx.engine.on_death = self._engine_died
+
+    def _engine_died(self, message: str) -> None:
+        # A second's grace: clients in flight read their error, health checks see the 503.
+        self.exit_code = 1
+        if self.loop is not None:
+            self.loop.call_later(1.0, self.request_shutdown)
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -132,16 +143,20 @@ class QuillServer(uvicorn.Server):
 
 def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer:
     """Load the engine (slow) and wrap it in an app and a server; nothing is bound yet."""
+    from pathlib import Path
+
     from quill.config import EngineConfig
-    from quill.engine.llm_engine import LLMEngine
-    from quill.server.async_engine import AsyncEngine
+    from quill.server.engine_client import EngineClient
     from quill.server.metrics import ServerMetrics
 
-    engine = LLMEngine(EngineConfig(model=args.model, seed=args.seed, **engine_options(args)))
-    names = args.served_model_name or [args.model or engine.model_path.name]
+    config = EngineConfig(model=args.model, seed=args.seed, **engine_options(args))
+    engine = EngineClient(config, log_level=args.log_level)
+    info = engine.start_process()
+    names = args.served_model_name or [args.model or Path(info.model_path).name]
     metrics = ServerMetrics(names[0])
+    engine.metrics = metrics
     ctx = ServerContext(
-        engine=AsyncEngine(engine, metrics),
+        engine=engine,
         metrics=metrics,
         served_model_names=names,
         api_key=args.api_key or None,
@@ -177,6 +192,12 @@ def run_serve(args: argparse.Namespace) -> int:
         print("quill serve: --request-body-timeout must be positive", file=sys.stderr)
         return 2
     print(f"quill: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
-    server = build_server(args)
+    try:
+        server = build_server(args)
+    except RuntimeError as e:
+        print(f"quill serve: {e}", file=sys.stderr)
+        return 1
     server.run()
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    return server.exit_code

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from collections import deque
 
+from quill.contract.plan import StepPlan, StepResult
+from quill.contract.sampling_params import SamplingParams
 from quill.cost.batch import BatchShape
 from quill.cost.step import CostModel
 from quill.engine.clock import VirtualClock
 from quill.engine.core import EngineCore
 from quill.engine.kv_cache import KVCacheManager
-from quill.engine.plan import StepPlan, StepResult
 from quill.engine.request import Request, RequestTimes
 from quill.engine.scheduler import Scheduler
-from quill.sampling_params import SamplingParams
 from quill.sim.config import SimConfig
 from quill.sim.metrics import MetricsSink
 from quill.sim.workload import WorkItem
@@ -77,7 +77,7 @@ class SimExecutor:
         self.prefill_tokens += shape.num_prefill_tokens
         self.decode_tokens += shape.num_decode_tokens
         return StepResult(
-            dict.fromkeys([s.request_id for s in plan.seqs if s.samples], SAMPLED_TOKEN)
+            dict.fromkeys([s.request_id for s in plan.seqs if s.samples], [SAMPLED_TOKEN])
         )
 
 
@@ -176,7 +176,7 @@ class Replica:
             if not out.finished:
                 raise RuntimeError(f"{self.name}: the scheduler can schedule nothing")
         elif self.record:
-            plan = self.core.last_step.plan
+            plan = self.core.last_plan
             self.step_log.append([(s.request_id, s.start, s.num_tokens) for s in plan.seqs])
         return out.finished
 

@@ -19,8 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import API_KEY
 
+from quill.contract.sampling_params import SamplingParams
 from quill.llm import LLM
-from quill.sampling_params import SamplingParams
 from quill.server.serve import QuillServer, add_serve_arguments, build_server
 
 SERVER_ARGS = [

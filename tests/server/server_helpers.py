@@ -21,3 +21,12 @@ def wait_until(condition, timeout: float = 30.0, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(interval)
+
+
+def engine_call(server, name: str, *args, timeout: float = 30.0):
+    """Run a utility of the server's engine process (quill/engine/process.py) from a test
+    thread: "state", "pause", "resume", "inject_fault"."""
+    import asyncio
+
+    future = asyncio.run_coroutine_threadsafe(server.ctx.engine.call(name, *args), server.loop)
+    return future.result(timeout)

@@ -1,4 +1,5 @@
-"""`quill serve` as a real process: ready line, flags, QUILL_API_KEY, clean stop on signals."""
+"""`quill serve` as real processes: ready line, flags, QUILL_API_KEY, clean stop on signals,
+and what a server does when its engine process dies."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
+import psutil
 import pytest
 
 KEY = "env-key"
@@ -48,16 +51,32 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+    def engine(self) -> psutil.Process:
+        """The engine process (the server's one child)."""
+        children = psutil.Process(self.proc.pid).children()
+        assert len(children) == 1, children
+        return children[0]
+
+
+SMALL = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--port", "0",
+         "--served-model-name", "smol", "--max-num-seqs", "4", "--no-access-log")  # fmt: skip
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG_STREAM = {
+    "model": "smol",
+    "messages": [{"role": "user", "content": "Tell me a long story."}],
+    "max_tokens": 1000,
+    "ignore_eos": True,
+    "stream": True,
+}
+
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_starts_and_stops_cleanly(sig):
-    served = ServeProcess(
-        "--dtype", "float32", "--kv-cache-memory", "64MiB", "--port", "0",
-        "--served-model-name", "smol", "--max-num-seqs", "4", "--no-access-log",
-    )  # fmt: skip
+    served = ServeProcess(*SMALL)
     try:
         url = served.wait_for(r"(http://127\.0\.0\.1:\d+) ").group(1)
         served.wait_for(r"ready")
+        engine = served.engine()
         auth = {"Authorization": f"Bearer {KEY}"}
         with httpx.Client(base_url=url, timeout=60) as c:
             assert c.get("/v1/models").status_code == 401  # the key came from QUILL_API_KEY
@@ -80,5 +99,36 @@ def test_serve_starts_and_stops_cleanly(sig):
             assert events[-1] == "data: [DONE]"
             assert '"finish_reason":"abort"' in events[-2]
         assert served.proc.wait(timeout=60) == 0
+        # The engine process was stopped with it: none is left behind.
+        assert not psutil.pid_exists(engine.pid) or engine.status() == psutil.STATUS_ZOMBIE
+    finally:
+        served.kill()
+
+
+def test_engine_killed_mid_stream_fails_requests_at_once_and_the_server_exits_non_zero():
+    served = ServeProcess(*SMALL)
+    try:
+        url = served.wait_for(r"(http://127\.0\.0\.1:\d+) ").group(1)
+        served.wait_for(r"ready")
+        engine = served.engine()
+        with httpx.Client(base_url=url, timeout=60) as c:
+            events = []
+            with c.stream("POST", "/v1/chat/completions", json=LONG_STREAM, headers=AUTH) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line)
+                    if len(events) == 3:
+                        engine.kill()  # SIGKILL, as the out-of-memory killer would
+                        killed = time.monotonic()
+            ended = time.monotonic() - killed
+            # The stream ended at once with an error event naming the engine, then [DONE].
+            assert events[-1] == "data: [DONE]"
+            assert '"error"' in events[-2] and "engine process died" in events[-2]
+            assert ended < 1.0, ended
+            health = c.get("/health")
+            assert health.status_code == 503
+            refused = c.post("/v1/chat/completions", json=LONG_STREAM, headers=AUTH)
+            assert refused.status_code == 503
+        assert served.proc.wait(timeout=30) == 1  # for a supervisor to restart it
     finally:
         served.kill()

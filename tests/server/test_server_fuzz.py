@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schema_strategy import from_schema
-from server_helpers import wait_until
+from server_helpers import engine_call, wait_until
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 _CAPPED = ("max_tokens", "max_completion_tokens", "min_tokens")
@@ -107,7 +107,9 @@ def test_fuzz_from_openapi_schema(server, http, openapi, path, greedy, model_nam
     check()
     assert any(s == 200 for s in statuses), f"no drawn body was accepted: {statuses}"
     engine = server.ctx.engine
-    wait_until(lambda: engine.num_in_flight == 0 and engine.engine.scheduler.kv.usage == 0)
+    wait_until(
+        lambda: engine.num_in_flight == 0 and engine_call(server, "state")["kv_cache_usage"] == 0
+    )
     assert engine.is_alive
     ok = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
     assert ok.json()["choices"][0]["text"] == greedy(["Hello"], 3)[0]

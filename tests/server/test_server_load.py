@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import httpx
 import openai
 import pytest
-from server_helpers import API_KEY, sample, wait_until
+from server_helpers import API_KEY, engine_call, sample, wait_until
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG = {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}  # runs until aborted
@@ -91,23 +90,8 @@ def test_disconnect_mid_request_aborts(base_url, scrape):
     )
 
 
-class _Gate:
-    """Holds the engine thread before its next step until opened."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.real_step = engine.step
-        self.open = threading.Event()
-
-    def step(self):
-        self.open.wait(60)
-        return self.real_step()
-
-
 def test_queue_full_gives_503(server, base_url, monkeypatch):
-    engine = server.ctx.engine.engine
-    gate = _Gate(engine)
-    monkeypatch.setattr(engine, "step", gate.step)
+    engine_call(server, "pause")  # requests come in, none is stepped
     monkeypatch.setattr(server.ctx, "max_queued_requests", 2)
     body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
@@ -123,31 +107,21 @@ def test_queue_full_gives_503(server, base_url, monkeypatch):
                     refused = task.result()
                     break
                 accepted.append(task)
-            gate.open.set()
+            engine_call(server, "resume")
             return refused, await asyncio.gather(*accepted)
 
     refused, accepted = asyncio.run(main())
     assert refused is not None, "the queue never filled"
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "server_error"
-    assert 2 <= len(accepted) <= 3  # the step being entered may already hold the first one
+    assert len(accepted) == 2  # nothing was stepped: both wait
     assert all(r.status_code == 200 for r in accepted)
 
 
 def test_failed_step_fails_its_requests_then_serving_goes_on(
     server, client, greedy, scrape, model_name, monkeypatch
 ):
-    runner = server.ctx.engine.engine.runner
-    real = runner.execute
-    calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("injected fault")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", broken)
+    engine_call(server, "inject_fault", "execute", 1)  # the next model pass raises
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=model_name, prompt="Hello", max_tokens=3)
     assert "injected fault" in info.value.body["message"]
@@ -159,23 +133,14 @@ def test_failed_step_fails_its_requests_then_serving_goes_on(
 def test_step_that_raises_fails_streams_then_serving_goes_on(
     server, base_url, greedy, scrape, monkeypatch
 ):
-    engine = server.ctx.engine.engine
-    real = engine.step
-    calls = []
-
-    def broken():
-        calls.append(1)
-        if len(calls) == 2:  # the first step admits the request, the second one blows up
-            raise RuntimeError("step exploded")
-        return real()
-
-    monkeypatch.setattr(engine, "step", broken)
+    # The first step admits the request, the second one blows up.
+    engine_call(server, "inject_fault", "step", 2)
     body = {"prompt": "Hello", "stream": True, "max_tokens": 5}
     with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as c:
         text = c.post("/v1/completions", json=body).text
         events = [e for e in text.split("\n\n") if e]
         assert events[-1] == "data: [DONE]"
-        assert "step exploded" in events[-2] and '"error"' in events[-2]
+        assert "injected fault" in events[-2] and '"error"' in events[-2]
         wait_until(lambda: idle(scrape))
         ok = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert ok.json()["choices"][0]["text"] == greedy(["Hello"], 3)[0]

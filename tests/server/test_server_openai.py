@@ -171,7 +171,7 @@ def test_n_choices_and_seed(client, greedy, model_name):
 
 
 def test_completion_logprobs_match_offline(client, offline, model_name):
-    from quill.sampling_params import SamplingParams
+    from quill.contract.sampling_params import SamplingParams
 
     resp = client.completions.create(
         model=model_name, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2

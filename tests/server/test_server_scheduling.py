@@ -109,7 +109,7 @@ def test_priority_over_http_serves_the_most_important_waiting_request_first(prio
     import threading
 
     import httpx
-    from server_helpers import API_KEY, wait_until
+    from server_helpers import API_KEY, engine_call, wait_until
 
     headers = {"Authorization": f"Bearer {API_KEY}"}
     results: dict[str, dict] = {}
@@ -122,19 +122,21 @@ def test_priority_over_http_serves_the_most_important_waiting_request_first(prio
         assert r.status_code == 200, r.text
         results[name] = r.json()["metrics"]
 
-    engine = priority_server.ctx.engine.engine
+    def state():
+        return engine_call(priority_server, "state")
+
     busy = threading.Thread(target=send, args=("busy", 5, 40))
     busy.start()  # holds the one sequence slot for 40 tokens
-    wait_until(lambda: engine.scheduler.num_running == 1)
+    wait_until(lambda: state()["num_running"] == 1)
     late = [
         threading.Thread(target=send, args=("less", 3, 2)),
         threading.Thread(target=send, args=("more", 0, 2)),  # arrives later, matters more
     ]
     late[0].start()
-    wait_until(lambda: engine.num_unscheduled >= 1)
+    wait_until(lambda: state()["num_unscheduled"] >= 1)
     late[1].start()
-    wait_until(lambda: engine.num_unscheduled >= 2)
-    assert engine.scheduler.num_running == 1  # both wait behind "busy"
+    wait_until(lambda: state()["num_unscheduled"] >= 2)
+    assert state()["num_running"] == 1  # both wait behind "busy"
     for t in [busy, *late]:
         t.join(120)
 

@@ -67,7 +67,7 @@ def course_rows(cm, tokens: list[int]) -> list[dict]:
 def _real_reply(engine, n: int, rng: random.Random) -> dict:
     """A prompt of n random tokens and a reply of n, for real; every token timestamped."""
     from quill.bench.client import random_prompt
-    from quill.sampling_params import SamplingParams
+    from quill.contract.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     sent = time.monotonic()

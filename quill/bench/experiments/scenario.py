@@ -57,14 +57,14 @@ class RealSide:
         self.budget = budget
         self.rng = random.Random(seed)
         self.ids: list[str] = []
-        self.saved = engine.scheduler.token_budget
+        self.saved = engine.token_budget
 
     def now(self) -> float:
         return time.monotonic()
 
     def add(self, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
         from quill.bench.client import random_prompt
-        from quill.sampling_params import SamplingParams
+        from quill.contract.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         prompt = random_prompt(prompt_tokens, self.rng, range(100, 40000))
@@ -72,20 +72,17 @@ class RealSide:
         self.ids.append(request_id)
 
     def step(self, timeline: Timeline) -> None:
-        engine = self.engine
-        before = engine.last_step
-        outputs = engine.step()
+        outputs, stats = self.engine.step_with_stats()
         now = time.monotonic()
         for out in outputs:
             new = len(out.outputs[0].delta_token_ids)
             timeline.token_times.setdefault(out.request_id, []).extend([now] * new)
-        stats = engine.last_step
-        if stats is not before:
+        if stats is not None:
             timeline.steps.append((now, stats.num_prefill_tokens, stats.num_decode_tokens))
 
     def __enter__(self) -> RealSide:
-        self.saved = self.engine.scheduler.token_budget
-        self.engine.scheduler.token_budget = self.budget
+        self.saved = self.engine.token_budget
+        self.engine.set_token_budget(self.budget)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -93,7 +90,7 @@ class RealSide:
             self.engine.abort_request(rid)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        self.engine.scheduler.token_budget = self.saved
+        self.engine.set_token_budget(self.saved)
 
 
 class SimSide:
@@ -115,14 +112,12 @@ class SimSide:
         self.replica.core.add_request(self.replica.make_request(item))
 
     def step(self, timeline: Timeline) -> None:
-        core = self.replica.core
-        before = core.last_step
-        out = core.step()
+        out = self.replica.core.step()
         now = self.now()
         for request in out.advanced:
             timeline.token_times.setdefault(request.request_id, []).append(now)
-        stats = core.last_step
-        if stats is not before:
+        stats = out.stats
+        if stats is not None:
             timeline.steps.append((now, stats.num_prefill_tokens, stats.num_decode_tokens))
 
     def __enter__(self) -> SimSide:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from quill.errors import ModelLoadError
+from quill.contract.errors import ModelLoadError
 
 # Special tokens that end a text, a turn or a message in the chat formats in use.
 END_OF_TEXT_NAMES = frozenset(

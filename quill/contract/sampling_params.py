@@ -6,7 +6,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-from quill.errors import InvalidRequestError
+from quill.contract.errors import InvalidRequestError
 
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-5 already gives
 # the top token all the mass unless the runner-up is within ~1e-3, and smaller values would

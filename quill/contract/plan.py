@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
-from quill.sampling_params import SamplingParams
+from quill.contract.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -29,6 +29,11 @@ class SeqPlan:
     # The token history, sent only when a penalty needs it (they grow with every token).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # The tokens the sampler may choose from, as a bitmask over the vocabulary (bit t of byte
+    # t // 8, least significant bit first); None: every token. Set by structured output.
+    token_bitmask: bytes | None = None
+    # Tokens guessed ahead for the sampler to verify (speculative decoding); None: none.
+    draft_token_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +56,12 @@ class SeqPlan:
     @property
     def is_prefill(self) -> bool:
         return not self.is_decode
+
+    @property
+    def is_single_query(self) -> bool:
+        """One query row: a decode, or a one-token prompt chunk. Not a kind of step, but what
+        the attention kernels care about (their one-query path)."""
+        return len(self.token_ids) == 1
 
 
 @dataclass(slots=True)
@@ -96,13 +107,17 @@ class StepPlan:
         return cls(d["step_id"], seqs, list(d.get("finished_request_ids", [])))
 
 
+# A sampled token's logprob, and the top n as (token id, logprob).
+SampleLogprobs = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class StepResult:
-    """What an executor returns: one token per sampling request, and logprobs where asked."""
+    """What an executor returns: per sampling request the tokens it chose, in order (one; with
+    draft tokens, the accepted drafts and one more), and their logprobs where asked."""
 
-    sampled: dict[str, int]
-    # request id -> (chosen token's logprob, [(token id, logprob)] of the top n)
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quill.engine.request import Request
-
 # One generated token's logprobs: {token id: logprob}, the chosen token always included.
 TokenLogprobs = dict[int, float]
 
@@ -33,33 +31,6 @@ class RequestMetrics:
     flops: float | None = None
     bytes_moved: float | None = None
     cost_usd: float | None = None
-
-    @classmethod
-    def of(cls, request: Request, cost=None) -> RequestMetrics:
-        t = request.times
-
-        def since(a, b):
-            return None if a is None or b is None else a - b
-
-        end = t.finished
-        return cls(
-            arrival_time=t.arrival,
-            queue_time=since(t.first_scheduled, t.arrival),
-            time_to_first_token=since(t.first_token, t.arrival),
-            mean_inter_token_latency=t.itl_sum / t.num_itl if t.num_itl else None,
-            max_inter_token_latency=t.itl_max if t.num_itl else None,
-            prefill_time=since(t.first_token, t.first_scheduled),
-            decode_time=since(end, t.first_token),
-            e2e_latency=since(end, t.arrival),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_generation_tokens=request.num_output_tokens,
-            num_preemptions=request.num_preemptions,
-            num_cached_tokens=request.num_cached_tokens,
-            predicted_time_to_first_token=request.predicted_ttft,
-            flops=cost.flops if cost else None,
-            bytes_moved=cost.bytes_moved if cost else None,
-            cost_usd=cost.cost_usd if cost else None,
-        )
 
 
 @dataclass

@@ -10,7 +10,7 @@ completes.
 
 from __future__ import annotations
 
-from quill.engine.tokenizer import Tokenizer
+from quill.frontend.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5
 

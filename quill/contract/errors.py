@@ -18,3 +18,16 @@ class InvalidRequestError(QuillError, ValueError):
 
 class ModelLoadError(QuillError, ValueError):
     """The model could not be loaded: unsupported architecture, missing file, bad tensor."""
+
+
+class OverloadedError(QuillError):
+    """The request would wait past its TTFT SLO (HTTP 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class EngineDeadError(QuillError):
+    """The engine process is gone (crashed, killed, out of memory): nothing more is served."""

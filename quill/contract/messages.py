@@ -1,0 +1,155 @@
+"""The messages between the front end and the engine, in or across processes.
+
+The front end sends `EngineRequest`s (one sequence each: token ids, resolved limits), aborts
+and utility calls; the engine answers each add at once (`AddResult`: accepted, or why not) and
+after each step sends `EngineOutputs`: per request the tokens it gained and, once, how it ended,
+plus one `StepStats`, which is all an observer (the Prometheus export) reads of the engine.
+In one process (`LLMEngine`) these are passed as objects; between processes they go through
+`quill.contract.codec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from quill.contract.outputs import RequestMetrics
+from quill.contract.plan import SampleLogprobs
+from quill.contract.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """One sequence to serve, validated by the front end (ids in the vocabulary, max_tokens
+    resolved against the context); the engine checks what needs its state (KV room, SLO)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    max_tokens: int
+    priority: int = 0
+    cache_salt: str | None = None
+    ttft_slo: float | None = None
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+    # "abort" (the client went away), or "stop" (the front end found a stop string).
+    reason: str = "abort"
+
+
+@dataclass
+class UtilityCall:
+    """Ask the engine process something outside the request flow (tests, tools)."""
+
+    call_id: int
+    name: str
+    args: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class ErrorInfo:
+    """Why the engine refused a request: `kind` is "invalid" (400), "overloaded" (503 with
+    Retry-After) or "engine" (500)."""
+
+    kind: str
+    message: str
+    param: str | None = None
+    retry_after: float | None = None
+
+
+@dataclass
+class AddResult:
+    request_id: str
+    error: ErrorInfo | None = None
+
+
+@dataclass
+class RequestUpdate:
+    """What one request gained in one step; `finish_reason` is set on its last update."""
+
+    request_id: str
+    new_token_ids: list[int]
+    metrics: RequestMetrics
+    new_logprobs: list[SampleLogprobs] | None = None
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepPrice:
+    """A step's price under the cost model, against what it took."""
+
+    predicted_s: float
+    measured_s: float
+    roofline_efficiency: float
+    mfu: float
+    mbu: float
+
+
+@dataclass
+class StepStats:
+    """What one step did and left: the one thing observers read of the engine."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_requests: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    duration: float
+    # The prefix cache's running totals, in prompt tokens looked up and found.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    price: StepPrice | None = None  # when a cost model with a hardware spec is on
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass
+class EngineOutputs:
+    """One step's news: request updates, and the step's stats when a model pass ran."""
+
+    updates: list[RequestUpdate] = field(default_factory=list)
+    stats: StepStats | None = None
+    # Whether a step ran no pass and found queues empty afterwards: lets a waiter stop polling.
+    idle: bool = False
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    value: Any = None
+    error: str | None = None
+
+
+@dataclass
+class EngineInfo:
+    """What the front end must know of the engine it talks to, sent once at start-up."""
+
+    model_path: str
+    tokenizer_source: str
+    eos_token_ids: list[int]
+    vocab_size: int
+    max_model_len: int
+    num_kv_tokens: int
+    pid: int = 0
+
+
+@dataclass
+class EngineFailed:
+    """Everything in flight fails with `message`: a step raised (the engine serves on), or
+    the engine process is going down (`fatal`)."""
+
+    message: str
+    fatal: bool = True

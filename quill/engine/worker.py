@@ -1,0 +1,215 @@
+"""The engine beneath the front end: the core, its model executor and the step observers.
+
+It speaks only the messages of quill.contract.messages: `add` takes an `EngineRequest`,
+`step` returns `EngineOutputs` (per request the tokens it gained, and one `StepStats`). The
+same object serves the offline `LLMEngine` in the caller's process and the engine process of
+`quill serve` (quill/engine/process.py), so both run one definition of a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from quill.config import EngineConfig
+from quill.contract.messages import (
+    EngineInfo,
+    EngineOutputs,
+    EngineRequest,
+    RequestUpdate,
+    StepPrice,
+    StepStats,
+)
+from quill.contract.outputs import RequestMetrics
+from quill.engine.core import CoreOutput, EngineCore
+from quill.engine.kv_cache import KVCacheManager
+from quill.engine.request import Request
+from quill.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    """Continuous batching over a paged KV cache, on a real model; see the scheduler."""
+
+    def __init__(self, config: EngineConfig, clock=None) -> None:
+        from quill.model.factory import build_model_executor  # torch lives behind this
+
+        self.config = config
+        built = build_model_executor(config)
+        self.built = built
+        self.runner = built.runner
+        kv = KVCacheManager(built.num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler = Scheduler(
+            kv,
+            built.token_budget,
+            config.max_num_seqs,
+            built.max_model_len,
+            config.scheduling_policy,
+            config.priority_aging,
+        )
+        self.accountant = _make_accountant(config, built)
+        listeners = [self.accountant]
+        if config.record_steps:
+            from quill.engine.record import StepRecorder
+
+            listeners.append(StepRecorder(config.record_steps))
+        admission = _make_admission(config, self.accountant, built.token_budget)
+        self.core = EngineCore(scheduler, self.runner, clock, listeners, admission)
+        log.info(
+            "prefix caching: %s; scheduling policy: %s%s",
+            "on" if config.enable_prefix_caching else "off",
+            config.scheduling_policy,
+            f"; TTFT SLO {config.max_ttft_slo * 1000:g} ms" if config.max_ttft_slo else "",
+        )
+        self.clock = self.core.clock
+        self._end_ids = frozenset(built.tokenizer.eos_token_ids)
+        self._num_reported: dict[str, int] = {}  # output tokens already sent, per request
+        self.info = EngineInfo(
+            model_path=str(built.model_path),
+            tokenizer_source=str(built.tokenizer_source),
+            eos_token_ids=list(built.tokenizer.eos_token_ids),
+            vocab_size=built.model_config.vocab_size,
+            max_model_len=built.max_model_len,
+            num_kv_tokens=built.num_blocks * config.block_size,
+            pid=os.getpid(),
+        )
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    # -- requests (any thread) -------------------------------------------------------------
+    def add(self, req: EngineRequest, prompt: str | None = None) -> None:
+        """Queue a request for the next step; raises InvalidRequestError when it can never be
+        served here, OverloadedError when it would start past its TTFT SLO."""
+        request = Request(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            arrival_time=req.arrival_time,
+            max_tokens=req.max_tokens,
+            eos_token_ids=self._end_ids,
+            prompt=prompt,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            ttft_slo=req.ttft_slo,
+        )
+        self.core.add_request(request)
+
+    def abort(self, request_id: str, reason: str = "abort", stop_reason=None) -> None:
+        self.core.abort_request(request_id, reason, stop_reason)
+
+    def finish_now(self, request_id: str, reason: str, stop_reason=None) -> RequestMetrics | None:
+        """End a request at once, from the engine's thread (between steps): its final timings,
+        or None when it had already ended."""
+        request = self.core.finish_request(request_id, reason, stop_reason)
+        if request is None:
+            return None
+        self._num_reported.pop(request_id, None)
+        return request.metrics(self.accountant.take(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    @property
+    def num_unscheduled(self) -> int:
+        return self.core.num_unscheduled
+
+    # -- the step (engine thread) ------------------------------------------------------------
+    def step(self) -> EngineOutputs:
+        """One pass of the model; an update for every request that advanced or ended, and the
+        step's stats (no tokens when no pass ran)."""
+        out: CoreOutput = self.core.step()
+        updates = []
+        finished = {id(r) for r in out.finished}
+        for request in out.advanced:
+            if id(request) not in finished:
+                updates.append(self._update(request, out, final=False))
+        for request in out.finished:
+            updates.append(self._update(request, out, final=True))
+        stats = out.stats
+        if stats is None:  # no model pass: the queues may still have changed
+            sched = self.scheduler
+            kv = sched.kv
+            stats = StepStats(0, 0, 0, sched.num_running, sched.num_waiting, kv.usage, 0, 0.0,
+                              kv.stats.queries, kv.stats.hits)  # fmt: skip
+        else:
+            priced = self.accountant.last  # priced by its on_step, which ran with this step
+            if priced is not None:
+                mfu, mbu = self.accountant.utilization(priced)
+                stats.price = StepPrice(
+                    priced.cost.predicted_s,
+                    priced.measured_s,
+                    priced.roofline_efficiency,
+                    mfu,
+                    mbu,
+                )
+        return EngineOutputs(updates, stats)
+
+    def _update(self, request: Request, out: CoreOutput, final: bool) -> RequestUpdate:
+        request_id = request.request_id
+        sent = self._num_reported.get(request_id, 0)
+        new_tokens = request.output_token_ids[sent:]
+        logprobs = None
+        if request.sampling_params.logprobs is not None and new_tokens:
+            logprobs = out.logprobs.get(request_id)
+        if final:
+            self._num_reported.pop(request_id, None)
+            cost = self.accountant.take(request_id)
+        else:
+            self._num_reported[request_id] = request.num_output_tokens
+            cost = self.accountant.peek(request_id)
+        return RequestUpdate(
+            request_id=request_id,
+            new_token_ids=new_tokens,
+            metrics=request.metrics(cost),
+            new_logprobs=logprobs,
+            finish_reason=request.finish_reason if final else None,
+            stop_reason=request.stop_reason if final else None,
+            error=request.error if final else None,
+        )
+
+
+def _make_admission(config: EngineConfig, accountant, token_budget: int):
+    """Predicts every request's TTFT (and refuses those past an SLO): priced by the cost model,
+    corrected by the measured steps, when this machine has a hardware spec; else by a line fit
+    of the measured steps against their token counts."""
+    from quill.engine.admission import AdmissionControl, StepTimer
+
+    cost_model = accountant.cost_model
+    if cost_model is not None:
+        timer = StepTimer.from_cost_model(cost_model)
+    else:
+        timer = StepTimer.by_tokens()
+    return AdmissionControl(
+        config.max_ttft_slo,
+        timer,
+        token_budget,
+        config.scheduling_policy,
+        config.priority_aging,
+    )
+
+
+def _make_accountant(config: EngineConfig, built):
+    """Prices every step on the configured hardware, or this machine's saved calibration."""
+    from quill.cost.hardware import HardwareSpec
+    from quill.cost.live import CostAccountant, find_calibration
+    from quill.cost.model import ModelSpec
+    from quill.cost.step import CostModel
+
+    model = ModelSpec.from_hf_config(built.hf_config, bytes_per_param=built.dtype.itemsize)
+    model.kv_bytes_per_element = built.kv_cache_dtype.itemsize  # the cache's, not the weights'
+    dtype = str(built.dtype).removeprefix("torch.")
+    if config.hardware is not None:
+        hardware = HardwareSpec.resolve(config.hardware)
+    else:
+        hardware = find_calibration(dtype)
+    if hardware is None:
+        log.info(
+            "cost: no hardware spec (--hardware, or run `quill cost calibrate` once); requests "
+            "get FLOPs and bytes, steps get no roofline efficiency"
+        )
+        return CostAccountant(model, None, config.price_per_hour)
+    log.info("cost: pricing steps on %s", hardware.name)
+    return CostAccountant(model, CostModel(model, hardware), config.price_per_hour)
