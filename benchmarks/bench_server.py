@@ -1,13 +1,19 @@
-"""Server benchmark: aggregate output tokens/s of `quill serve` under N concurrent streaming
-clients, against the offline engine kept at the same concurrency, in one run.
+"""Server benchmark: `quill serve` under N streaming clients against the offline engine at the
+same concurrency, in one run; and the API process's core (shared, or one of its own) compared.
 
-Both sides run the same requests (random prompt token ids, greedy, ignore_eos, fixed length):
-the offline engine keeps N requests in flight and steps; the server runs as a real subprocess
-and N asyncio clients each stream their requests one after another over HTTP. The ratio is the
-share of the engine's throughput that survives the HTTP layer (target: at least 85%). Usage:
+Why: the server must not cost the engine its pace. Targets (issue 18): at 1, 4, 16 and 64
+streams the server keeps at least 90% of the offline engine's output tokens/s, and at one stream
+its median inter-token gap is within 10% of the offline engine's median decode step.
 
-    .venv/bin/python benchmarks/bench_server.py [--clients 16] [--requests-per-client 2]
-        [--max-tokens 64] [--prompt-tokens 32] [--rounds 2] [--json out.json]
+Both sides run the same requests (random prompt token ids, greedy, ignore_eos, a fixed length)
+with the engine's defaults (as `quill serve` and `LLM()` start). The offline engine keeps N
+requests in flight and steps; each server variant runs as a real subprocess (`--api-core
+shared` and `--api-core own`) and N asyncio clients, in this process, each stream their requests
+one after another over one keep-alive connection, timestamping every chunk (one token each).
+At each level the sides take turns round after round, each keeping its best round. Usage:
+
+    .venv/bin/python benchmarks/bench_server.py [--levels 1,4,16,64] [--max-tokens 64]
+        [--prompt-tokens 32] [--rounds 2] [--api-cores shared,own] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import threading
 import time
 from datetime import UTC, datetime
 
-import httpx
 import torch
 
 from quill import LLM, SamplingParams
@@ -36,29 +41,37 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=gen).tolist()
 
 
-def run_offline(llm: LLM, args, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_offline(llm: LLM, clients: int, prompts: list[list[int]], max_tokens: int) -> dict:
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     pending = list(prompts)
     in_flight, tokens = 0, 0
+    decode_steps: list[float] = []
     start = time.perf_counter()
     while pending or in_flight:
-        while pending and in_flight < args.clients:  # same concurrency as the server's clients
+        while pending and in_flight < clients:  # same concurrency as the server's clients
             engine.add_request(pending.pop(0), params)
             in_flight += 1
-        for out in engine.step():
+        outputs, stats = engine.step_with_stats()
+        if stats is not None and stats.num_prefill_tokens == 0:
+            decode_steps.append(stats.duration)
+        for out in outputs:
             if out.finished:
                 in_flight -= 1
                 tokens += len(out.outputs[0].token_ids)
     wall = time.perf_counter() - start
-    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall}
+    return {
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "decode_step_p50_ms": 1000 * statistics.median(decode_steps) if decode_steps else None,
+    }
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(api_core: str) -> tuple[subprocess.Popen, str]:
     cmd = [
-        sys.executable, "-m", "quill.cli", "serve", "--port", "0", "--dtype", args.dtype,
-        "--kv-cache-memory", str(args.kv_cache_memory), "--no-access-log",
-        "--log-level", "warning",
+        sys.executable, "-m", "quill.cli", "serve", "--port", "0", "--no-access-log",
+        "--log-level", "warning", "--api-core", api_core,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "QUILL_API_KEY"}
     proc = subprocess.Popen(
@@ -68,7 +81,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     for line in proc.stdout:
         if m := re.search(r"(http://[\w.]+:\d+) ", line):
             url = m.group(1)
-        if "ready" in line:
+        if "quill: ready" in line:
             break
     if url is None:
         proc.kill()
@@ -78,102 +91,157 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-async def run_clients(args, url: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    per_client = [prompts[i :: args.clients] for i in range(args.clients)]
-    timings: list[dict] = []
+class _Connection:
+    """One keep-alive HTTP/1.1 connection speaking just enough to stream a completion.
 
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> int:
-        body = {
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if '"usage"' in line:  # only the last chunk is parsed: the client stays light
-                    last = json.loads(line[len("data: ") :])
-        timings.append(last["metrics"])
-        return last["usage"]["completion_tokens"]
+    The clients share the 2 cores with the server: httpx cost ~0.5 ms of CPU per token, as
+    much as the API process itself, so the load generator is raw asyncio streams instead.
+    """
 
-    async def client_loop(client, mine) -> int:
-        return sum([await one(client, p) for p in mine])
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
 
-    limits = httpx.Limits(max_connections=args.clients + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        start = time.perf_counter()
-        counts = await asyncio.gather(*(client_loop(client, m) for m in per_client))
-        wall = time.perf_counter() - start
+    async def stream(self, body: dict) -> tuple[list[float], dict]:
+        """POST /v1/completions; the arrival time of each token's chunk, and the last chunk."""
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        self.writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), len(data), data)
+        )
+        reader = self.reader
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"server answered {status!r}")
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # headers: the body is chunked (a streaming response)
+        arrivals, last = [], None
+        while True:
+            size = int((await reader.readline()).strip(), 16)
+            if size == 0:
+                await reader.readline()
+                return arrivals, last
+            chunk = await reader.readexactly(size + 2)
+            if b'"usage"' in chunk:  # only the last event is parsed: the client stays light
+                last = json.loads(chunk[chunk.index(b"{") : chunk.rindex(b"}") + 1])
+            elif b'"text"' in chunk:
+                arrivals.append(time.perf_counter())
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def run_clients(url: str, clients: int, prompts: list[list[int]], max_tokens: int) -> dict:
+    per_client = [prompts[i::clients] for i in range(clients)]
+    gaps: list[float] = []
+    ttfts: list[float] = []
+
+    async def client_loop(mine: list[list[int]]) -> int:
+        conn = _Connection(url)
+        tokens = 0
+        try:
+            for prompt in mine:
+                body = {
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                sent = time.perf_counter()
+                arrivals, last = await conn.stream(body)
+                ttfts.append(arrivals[0] - sent)
+                gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+                tokens += last["usage"]["completion_tokens"]
+        finally:
+            conn.close()
+        return tokens
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(client_loop(m) for m in per_client))
+    wall = time.perf_counter() - start
     tokens = sum(counts)
     return {
         "tokens": tokens,
         "seconds": wall,
         "tokens_per_s": tokens / wall,
-        "median_ttft_s": statistics.median(t["time_to_first_token"] for t in timings),
-        "median_itl_s": statistics.median(t["mean_inter_token_latency"] for t in timings),
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "itl_p50_ms": 1000 * statistics.median(gaps),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--levels", default="1,4,16,64")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-cache-memory", type=int, default=512 << 20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--api-cores", default="shared,own")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    n = args.clients * args.requests_per_client
-    prompts = [prompt_ids(args.prompt_tokens, i) for i in range(n)]
-    warm = prompts[: args.clients]
+    levels = [int(x) for x in args.levels.split(",")]
+    variants = args.api_cores.split(",")
 
-    llm = LLM(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
-    proc, url = start_server(args)
-    offline_runs, server_runs = [], []
+    llm = LLM()
+    servers = {v: start_server(v) for v in variants}
+    results: dict = {"levels": {}}
     try:
-        # Warm-up at full concurrency (first calls allocate and pick kernels), then rounds that
-        # alternate the two, so that a noisy neighbour on the machine hits both alike.
-        run_offline(llm, args, warm, 4)
-        asyncio.run(run_clients(args, url, warm, 4))
-        for r in range(args.rounds):
-            offline_runs.append(run_offline(llm, args, prompts, args.max_tokens))
-            print(f"round {r}: offline engine {offline_runs[-1]}", flush=True)
-            server_runs.append(asyncio.run(run_clients(args, url, prompts, args.max_tokens)))
-            print(f"round {r}: server {server_runs[-1]}", flush=True)
+        warm = [prompt_ids(args.prompt_tokens, 10_000 + i) for i in range(8)]
+        run_offline(llm, 8, warm, 4)
+        for _, url in servers.values():
+            asyncio.run(run_clients(url, 8, warm, 4))
+        for clients in levels:
+            n = max(4, 2 * clients)
+            prompts = [prompt_ids(args.prompt_tokens, clients * 1000 + i) for i in range(n)]
+            runs: dict[str, list[dict]] = {"offline": [], **{v: [] for v in variants}}
+            sides = ["offline", *variants]
+            for r in range(args.rounds):
+                # Alternate the order too, so that drift on the machine hits every side alike.
+                for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                    if side == "offline":
+                        run = run_offline(llm, clients, prompts, args.max_tokens)
+                    else:
+                        url = servers[side][1]
+                        run = asyncio.run(run_clients(url, clients, prompts, args.max_tokens))
+                    runs[side].append(run)
+                    print(f"{clients} streams, round {r}, {side}: {run}", flush=True)
+            best = {side: max(rs, key=lambda x: x["tokens_per_s"]) for side, rs in runs.items()}
+            results["levels"][clients] = {"best": best, "rounds": runs}
     finally:
-        proc.terminate()
-        proc.wait(30)
-    offline = max(offline_runs, key=lambda x: x["tokens_per_s"])  # best of the rounds, each
-    server = max(server_runs, key=lambda x: x["tokens_per_s"])
-    ratio = server["tokens_per_s"] / offline["tokens_per_s"]
-    results = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads)",
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "config": vars(args),
-        "offline": offline,
-        "server": server,
-        "rounds": {"offline": offline_runs, "server": server_runs},
-        "server_over_offline": ratio,
-    }
-    print(f"\n{results['machine']}, {args.dtype}, {results['date']}")
-    print(f"`{results['command']}`\n")
-    print(f"best of {args.rounds} alternating rounds\n")
-    print("| | output tok/s | tokens | seconds |")
-    print("|---|---|---|---|")
-    for name in ("offline", "server"):
-        r = results[name]
-        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['tokens']} | {r['seconds']:.2f} |")
-    print(
-        f"\nserver / offline: {100 * ratio:.1f}% (target >= 85%); server median TTFT "
-        f"{server['median_ttft_s']:.3f} s, median mean-ITL {server['median_itl_s'] * 1000:.1f} ms"
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+    results.update(
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        machine=f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+        config=vars(args),
     )
+    print(f"\n{results['machine']}, {results['date']}\n`{results['command']}`\n")
+    print(f"best of {args.rounds} alternating rounds; engine defaults (as `quill serve` starts)\n")
+    head = " | ".join(f"{v}: tok/s (% offline), ITL p50, TTFT p50" for v in variants)
+    print(f"| streams | offline tok/s, decode step p50 | {head} |")
+    print("|---|---|" + "---|" * len(variants))
+    for clients, level in results["levels"].items():
+        off = level["best"]["offline"]
+        cells = []
+        for v in variants:
+            s = level["best"][v]
+            share = 100 * s["tokens_per_s"] / off["tokens_per_s"]
+            cells.append(
+                f"{s['tokens_per_s']:.1f} ({share:.0f}%), {s['itl_p50_ms']:.1f} ms, "
+                f"{s['ttft_p50_ms']:.0f} ms"
+            )
+        step = off["decode_step_p50_ms"]
+        print(
+            f"| {clients} | {off['tokens_per_s']:.1f}, {step:.1f} ms | " + " | ".join(cells) + " |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

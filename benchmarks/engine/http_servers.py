@@ -1,12 +1,15 @@
-"""The two sides of the HTTP benchmark (bench_http.py), each a server started on its own port.
+"""The sides of the HTTP benchmark (bench_http.py), each a server started on its own port.
 
 quill runs as `quill serve --port P` with nothing else, since its defaults are what is
-measured; llama-server runs through benchmarks/peers/llama_cpp.py with its best settings. Each
-side also says what to add to a request so that every token arrives as a chunk one can count.
+measured; llama-server runs through benchmarks/peers/llama_cpp.py with its best settings, and
+vLLM's CPU backend through benchmarks/peers/vllm_cpu.py (`vllm serve` of quill's converted
+default model, bf16). Each side also says what to add to a request so that every token it
+streams can be counted as it arrives, and how long its server may take to start.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers import llama_cpp
+from benchmarks.peers import llama_cpp, vllm_cpu
 from benchmarks.peers.process import ServerProcess
 
 LOG_DIR = Path(tempfile.gettempdir()) / "quill-bench-http"
@@ -39,27 +42,70 @@ class QuillServe(ServerProcess):
         return super().start(timeout)
 
 
+PEERS = ("llama", "vllm")  # what --peers of bench_http.py may name
+VLLM_START_TIMEOUT_S = 400.0  # 90 to 190 s on 2 vCPUs, more the first time (torch.compile)
+
+
 @dataclass
 class Side:
     name: str
-    make: Callable[[int], Any]  # port -> a server with start(), stop(), url and cmd
-    extra_body: dict  # what makes every token arrive as a countable chunk
+    make: Callable[[int], Any]  # port -> a server with start(timeout), stop(), url and cmd
+    extra_body: dict  # what makes every token arrive in a chunk that says how many it holds
+    start_timeout: float | None = None  # None: the server's own default
 
 
-def make_sides(llama_types: list[str], threads: int, seq_tokens: int) -> list[Side]:
-    """quill, then llama-server on each GGUF type; `seq_tokens` (prompt plus output) sizes
-    llama-server's context, which its 64 slots share (32768 tokens, 512 a slot, at least)."""
+def make_sides(
+    llama_types: list[str], threads: int, seq_tokens: int, peers=PEERS
+) -> tuple[list[Side], dict[str, str]]:
+    """quill, then llama-server on each GGUF type (peer "llama"), then vLLM (peer "vllm");
+    `seq_tokens` (prompt plus output) sizes llama-server's context, which its 64 slots share
+    (32768 tokens, 512 a slot, at least). A peer that is not built or installed is left out:
+    the second value says which, and why (the PeerMissingError's message)."""
     sides = [Side("quill", QuillServe, {"logprobs": 0})]
+    skipped: dict[str, str] = {}
     ctx = max(32768, 64 * -(-(seq_tokens + 16) // 256) * 256)
-    for t in llama_types:
-        model = llama_cpp.model_path(t)
+    for t in llama_types if "llama" in peers else []:
+        try:
+            model = llama_cpp.model_path(t)
+            llama_cpp.binary("llama-server")
+        except llama_cpp.PeerMissingError as e:
+            skipped[f"llama-server-{t}"] = str(e)
+            continue
         log = LOG_DIR / f"llama-server-{t}.log"
 
         def make(port, model=model, log=log):
             return llama_cpp.LlamaServer(model, port=port, threads=threads, ctx=ctx, log_path=log)
 
         sides.append(Side(f"llama-server-{t}", make, {"timings_per_token": True}))
-    return sides
+    if "vllm" in peers:
+        try:
+            vllm_cpu.vllm_version()  # the venv, its `vllm` and the dist-info shim
+            model = vllm_cpu.default_model_dir()
+        except vllm_cpu.PeerMissingError as e:
+            skipped["vllm"] = str(e)
+        else:
+            sides.append(
+                Side(
+                    "vllm",
+                    functools.partial(make_vllm, model),
+                    # Every chunk then carries the running usage.completion_tokens: exact even
+                    # if vLLM merges several tokens into one chunk; no logprobs to compute.
+                    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                    VLLM_START_TIMEOUT_S,
+                )
+            )
+    return sides, skipped
+
+
+def make_vllm(model: Path, port: int) -> vllm_cpu.VllmServer:
+    """`vllm serve` of quill's converted default model under the name quill serves it by (bf16,
+    --max-model-len 4096, 4 GiB of KV cache: vllm_cpu.VllmServer's defaults)."""
+    return vllm_cpu.VllmServer(
+        model,
+        port=port,
+        served_model_name=vllm_cpu.DEFAULT_MODEL_NAME,
+        log_path=LOG_DIR / "vllm-serve.log",
+    )
 
 
 def free_port() -> int:

@@ -166,7 +166,10 @@ class EngineLoop:
 
     # -- the step thread -------------------------------------------------------------------
     def run(self) -> int:
-        threading.Thread(target=self._receive, name="quill-engine-receive", daemon=True).start()
+        self._receiver = threading.Thread(
+            target=self._receive, name="quill-engine-receive", daemon=True
+        )
+        self._receiver.start()
         threading.Thread(target=self._watch_parent, name="quill-engine-parent", daemon=True).start()
         worker = self.worker
         try:
@@ -259,6 +262,7 @@ class EngineLoop:
 
     def _close(self) -> None:
         self._stopping = True
+        self._receiver.join(2)  # it polls with a timeout: it sees the flag and returns
         try:
             self._out.close(linger=1000)
             self._in.close(linger=0)

@@ -60,8 +60,11 @@ class _Sink:
 class EngineClient:
     """One engine process and the requests this server sent it."""
 
-    def __init__(self, config: EngineConfig, metrics=None, log_level: str = "info") -> None:
+    def __init__(
+        self, config: EngineConfig, metrics=None, log_level: str = "info", api_core: str = "auto"
+    ) -> None:
         self.config = config
+        self.api_cpus, self.engine_cpus = split_cores(api_core)
         self.metrics = metrics
         self.log_level = log_level
         self.info: EngineInfo | None = None
@@ -80,7 +83,7 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._reader: asyncio.Task | None = None
+        self._read_codec = Codec()
         self._draining = False
         self._stopped = False
         self._codec = Codec()
@@ -98,10 +101,15 @@ class EngineClient:
         startup.bind(startup_address)
         config = json.dumps(dataclasses.asdict(self.config))
         started = time.monotonic()
+        engine_cpus = self.engine_cpus
         self._process = subprocess.Popen(
             [sys.executable, "-m", "quill.engine.process", config, self._to_engine,
              self._from_engine, startup_address, self.log_level],
+            # Before the child starts: its compute threads are counted from its affinity.
+            preexec_fn=(lambda: os.sched_setaffinity(0, engine_cpus)) if engine_cpus else None,
         )  # fmt: skip
+        if self.api_cpus:
+            os.sched_setaffinity(0, self.api_cpus)
         message = None
         try:
             while message is None:
@@ -123,23 +131,33 @@ class EngineClient:
         self.tokenizer = Tokenizer.load(_path(message.tokenizer_source), message.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, message.vocab_size, message.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self._on_stop)
-        log.info("engine process %d ready in %.1f s", self._process.pid, time.monotonic() - started)
+        log.info(
+            "engine process %d ready in %.1f s; cores: %s",
+            self._process.pid,
+            time.monotonic() - started,
+            "shared by the API and the engine"
+            if not self.api_cpus
+            else f"API process on {sorted(self.api_cpus)}, engine on {sorted(self.engine_cpus)}",
+        )
         return message
 
     # -- life cycle (event loop) -----------------------------------------------------------
     async def start(self) -> None:
         import zmq
-        import zmq.asyncio
 
         self._loop = asyncio.get_running_loop()
-        self._zmq = zmq.asyncio.Context()
+        # Plain sockets read from the event loop's own epoll (their FD signals "look again";
+        # each wake-up drains every message waiting): a message costs no future or task.
+        self._zmq = zmq.Context()
         self._out = self._zmq.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(self._to_engine)
         self._in = self._zmq.socket(zmq.PULL)
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(self._from_engine)
-        self._reader = asyncio.ensure_future(self._read())
+        self._zmq_fd = self._in.getsockopt(zmq.FD)
+        self._loop.add_reader(self._zmq_fd, self._drain_messages)
+        self._loop.call_soon(self._drain_messages)
         self._pidfd = os.pidfd_open(self._process.pid)
         self._loop.add_reader(self._pidfd, self._on_exit)
 
@@ -162,8 +180,7 @@ class EngineClient:
                 pass
         self._stopped = True
         await asyncio.to_thread(self.join, timeout)
-        if self._reader is not None:
-            self._reader.cancel()
+        self._loop.remove_reader(self._zmq_fd)
         self._close_pidfd()
         self._zmq.destroy(linger=0)
 
@@ -263,6 +280,8 @@ class EngineClient:
 
     def _send(self, message) -> None:
         self._out.send(self._codec.encode(message), copy=False)
+        # Sending can use up the edge the FD would signal for a message already waiting.
+        self._loop.call_soon(self._drain_messages)
 
     def _refused(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
@@ -281,29 +300,36 @@ class EngineClient:
         )
 
     # -- what comes back (event loop) -------------------------------------------------------
-    async def _read(self) -> None:
-        codec = Codec()
-        while True:
-            data = await self._in.recv(copy=False)
-            message = codec.decode(data.buffer)
+    def _drain_messages(self) -> None:
+        import zmq
+
+        socket, codec, flags = self._in, self._read_codec, zmq.NOBLOCK
+        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                if isinstance(message, EngineOutputs):
-                    self._on_outputs(message)
-                elif isinstance(message, AddResult):
-                    future = self._adds.pop(message.request_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(message)
-                elif isinstance(message, UtilityResult):
-                    future = self._calls.pop(message.call_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(message)
-                elif isinstance(message, EngineFailed):
-                    log.error("engine: %s", message.message)
-                    if message.fatal:
-                        self.error = message.message
-                    self._fail_all(message.message)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the reader
-                log.exception("handling the engine's %s failed", type(message).__name__)
+                data = socket.recv(flags, copy=False)
+            except zmq.Again:
+                return
+            self._handle(codec.decode(data.buffer))
+
+    def _handle(self, message) -> None:
+        try:
+            if isinstance(message, EngineOutputs):
+                self._on_outputs(message)
+            elif isinstance(message, AddResult):
+                future = self._adds.pop(message.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            elif isinstance(message, UtilityResult):
+                future = self._calls.pop(message.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            elif isinstance(message, EngineFailed):
+                log.error("engine: %s", message.message)
+                if message.fatal:
+                    self.error = message.message
+                self._fail_all(message.message)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the reader
+            log.exception("handling the engine's %s failed", type(message).__name__)
 
     def _on_outputs(self, message: EngineOutputs) -> None:
         outputs = self.outputs.process(message.updates)
@@ -361,6 +387,27 @@ class EngineClient:
             return "the engine is not running"
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         return f"the engine process died ({how})"
+
+
+# What measured faster on 2 vCPUs (docs/benchmarks.md, issue 18): see split_cores.
+_AUTO_API_CORE = "shared"
+
+
+def split_cores(api_core: str) -> tuple[set[int] | None, set[int] | None]:
+    """(the API process's CPUs, the engine process's), or (None, None) when they share all.
+
+    "own" gives the API process the first CPU this process may use and the engine the rest;
+    it needs at least two. "auto" is what the HTTP benchmark measured faster on this project's
+    2-vCPU machines.
+    """
+    if api_core not in ("auto", "shared", "own"):
+        raise ValueError(f"unknown api_core {api_core!r} (auto | shared | own)")
+    if api_core == "auto":
+        api_core = _AUTO_API_CORE
+    allowed = sorted(os.sched_getaffinity(0))
+    if api_core == "shared" or len(allowed) < 2:
+        return None, None
+    return {allowed[0]}, set(allowed[1:])
 
 
 def _as_exception(result: AddResult) -> Exception:

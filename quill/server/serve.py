@@ -81,6 +81,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="name(s) clients use for the model (default: MODEL as given, or the default's name)",
     )
+    parser.add_argument(
+        "--api-core",
+        choices=("auto", "shared", "own"),
+        default="auto",
+        help="own: the API process gets one core to itself, the engine process the others (as "
+        "vLLM does on 2 vCPUs); shared: both run on every core; auto: what measured faster "
+        "(docs/benchmarks.md)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
@@ -150,7 +158,7 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
     from quill.server.metrics import ServerMetrics
 
     config = EngineConfig(model=args.model, seed=args.seed, **engine_options(args))
-    engine = EngineClient(config, log_level=args.log_level)
+    engine = EngineClient(config, log_level=args.log_level, api_core=args.api_core)
     info = engine.start_process()
     names = args.served_model_name or [args.model or Path(info.model_path).name]
     metrics = ServerMetrics(names[0])
