@@ -2,9 +2,9 @@
 
 quill.bench.client sends an open-loop workload; bench_http.py needs N clients that each send
 their next request when the last one ends, against quill, llama-server and vLLM. This draws
-text prompts of an exact token length and runs the closed loop on that client's records, with
-a streaming reader (`stream_counted`) that counts each server's tokens the way it says them:
-quill's one logprob per token, llama-server's running `timings.predicted_n`, vLLM's running
+text prompts of an exact token length and runs the closed loop on that client's records; the
+stream reader (quill.bench.client) counts each server's tokens the way it says them: quill's
+one logprob per token, llama-server's running `timings.predicted_n`, vLLM's running
 `usage.completion_tokens` (`stream_options.continuous_usage_stats`).
 """
 
@@ -13,12 +13,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
-import time
 
 import httpx
 
-from quill.bench.client import RequestRecord, random_prompt
-from quill.bench.stream import StreamFailure, count_new_tokens, sse_chunks
+from quill.bench.client import RequestRecord, random_prompt, stream_completion
 from quill.model.default_model import default_model_dir
 
 
@@ -52,46 +50,6 @@ def text_prompts(count: int, length: int, seed: int) -> list[str]:
     return texts
 
 
-def new_tokens(chunk: dict, counted: int) -> int:
-    """Tokens a streamed chunk brings, `counted` being those its stream brought so far: one
-    logprob entry per token or llama-server's running count (quill.bench.stream's
-    count_new_tokens), else the running `usage.completion_tokens` that vLLM puts on every
-    chunk with `continuous_usage_stats` (exact even when one chunk holds several tokens). A
-    chunk without choices (the final usage chunk) brings none: its tokens were all counted."""
-    new = count_new_tokens(chunk, counted)
-    usage = chunk.get("usage") or {}
-    if not new and chunk.get("choices") and usage.get("completion_tokens") is not None:
-        new = max(usage["completion_tokens"] - counted, 0)
-    return new
-
-
-async def stream_counted(client: httpx.AsyncClient, record: RequestRecord, body: dict) -> None:
-    """quill.bench.client.stream_completion, counting tokens with `new_tokens`: one streamed
-    completion into `record`, every token timestamped as the chunk that brings it arrives."""
-    record.sent = time.monotonic()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {text[:300]}"
-                return
-            async for now, chunk in sse_chunks(response, time.monotonic):
-                if chunk is None:
-                    record.finished = now
-                    break
-                new = new_tokens(chunk, record.output_tokens)
-                record.chunk_times.extend([now] * new)
-                record.output_tokens += new
-                if usage := chunk.get("usage"):
-                    record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-                if "metrics" in chunk:
-                    record.server_metrics = chunk["metrics"]
-    except StreamFailure as e:
-        record.error = e.reason
-    except httpx.HTTPError as e:
-        record.error = f"{type(e).__name__}: {e}"
-
-
 async def closed_loop(
     url: str, prompts: list[str], clients: int, max_tokens: int, extra_body: dict
 ) -> list[RequestRecord]:
@@ -108,7 +66,7 @@ async def closed_loop(
                 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
                 body |= {"ignore_eos": True, "temperature": 0, "stream": True}
                 body |= {"stream_options": {"include_usage": True}, **extra_body}
-                await stream_counted(client, record, body)
+                await stream_completion(client, record, body)
 
         numbered = list(enumerate(prompts))
         await asyncio.gather(*(one_client(numbered[k::clients]) for k in range(clients)))

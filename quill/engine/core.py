@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from quill.contract.errors import InvalidRequestError
 from quill.contract.messages import StepStats
 from quill.contract.plan import Executor, SampleLogprobs, SeqPlan, StepPlan, StepResult
-from quill.contract.sampling_params import SamplingParams
 from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
 from quill.engine.request import Request
@@ -84,28 +83,6 @@ class EngineCore:
             self.admission.token_budget = num_tokens
 
     # -- requests (any thread) -------------------------------------------------------------
-    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """The reply's token limit: as asked, or what is left of the context; errors if neither."""
-        if num_prompt_tokens == 0:
-            raise InvalidRequestError("prompt is empty", param="prompt")
-        room = self.max_model_len - num_prompt_tokens
-        if room <= 0:
-            raise InvalidRequestError(
-                f"prompt has {num_prompt_tokens} tokens but the model's context is "
-                f"{self.max_model_len} tokens",
-                param="prompt",
-            )
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_prompt_tokens + params.max_tokens} tokens "
-                f"({num_prompt_tokens} in the prompt, {params.max_tokens} in the completion).",
-                param="max_tokens",
-            )
-        return params.max_tokens
-
     def add_request(self, request: Request) -> None:
         """Validate and queue a request for the next step; raises InvalidRequestError, or
         OverloadedError when admission control predicts it would start past its SLO."""

@@ -46,6 +46,12 @@ class ServeProcess:
             if m := re.search(pattern, line):
                 return m
 
+    def ready(self) -> str:
+        """Wait for the ready line; the server's URL."""
+        url = self.wait_for(r"(http://127\.0\.0\.1:\d+) ").group(1)
+        self.wait_for(r"quill: ready")
+        return url
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -74,8 +80,7 @@ LONG_STREAM = {
 def test_serve_starts_and_stops_cleanly(sig):
     served = ServeProcess(*SMALL)
     try:
-        url = served.wait_for(r"(http://127\.0\.0\.1:\d+) ").group(1)
-        served.wait_for(r"ready")
+        url = served.ready()
         engine = served.engine()
         auth = {"Authorization": f"Bearer {KEY}"}
         with httpx.Client(base_url=url, timeout=60) as c:
@@ -108,8 +113,7 @@ def test_serve_starts_and_stops_cleanly(sig):
 def test_engine_killed_mid_stream_fails_requests_at_once_and_the_server_exits_non_zero():
     served = ServeProcess(*SMALL)
     try:
-        url = served.wait_for(r"(http://127\.0\.0\.1:\d+) ").group(1)
-        served.wait_for(r"ready")
+        url = served.ready()
         engine = served.engine()
         with httpx.Client(base_url=url, timeout=60) as c:
             events = []

@@ -7,7 +7,8 @@ calibrated prediction, and marks where memory for the KV cache caps the batch.
 
 from __future__ import annotations
 
-from quill.bench.experiments.context import Needs, Settings
+from quill.bench.experiments.context import Settings
+from quill.bench.experiments.engine import Needs
 from quill.bench.experiments.measure import cost_figures, measure_cases
 from quill.bench.experiments.report import Section, Table, num, pct, seconds, times
 from quill.bench.experiments.stats import median, relative_error

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from quill.bench.experiments.engine import DTYPE, Needs, build_engine
 from quill.cost.hardware import HardwareSpec
 
 
@@ -35,7 +36,6 @@ def describe_spec(spec: HardwareSpec, path: str | None, source: str) -> dict:
 def load_or_calibrate(ctx) -> tuple[HardwareSpec, dict]:
     """(spec, description): `--hardware`, else the newest saved float32 calibration, else (or
     with `--recalibrate`) a quick calibration measured now."""
-    from quill.bench.experiments.context import DTYPE
     from quill.cost.live import find_calibration_file
 
     settings = ctx.settings
@@ -61,7 +61,6 @@ def save_path(ctx, found_none: bool) -> Path:
     """Where a calibration made here goes: where `quill cost calibrate` would save it when the
     machine had none (so later commands find it), else beside the experiments' figures (a
     deliberate recalibration must not replace the machine's saved one)."""
-    from quill.bench.experiments.context import DTYPE
     from quill.cost.calibrate import default_out
 
     if found_none:
@@ -74,7 +73,6 @@ def save_path(ctx, found_none: bool) -> Path:
 
 def quick_calibration(ctx) -> HardwareSpec:
     """`quill cost calibrate --quick`'s measurements and fit, on a float32 unquantized engine."""
-    from quill.bench.experiments.context import Needs, build_engine
     from quill.cost import microbench
     from quill.cost.calibrate import calibration_cases, fit_spec
     from quill.cost.sweep import Sweep

@@ -12,17 +12,15 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from quill.bench.experiments.calibration import load_or_calibrate
+from quill.bench.experiments.engine import BLOCK_SIZE, DTYPE, Needs, build_engine
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import ModelSpec
 from quill.cost.step import CostModel
-from quill.cost.sweep import Case
 
-DTYPE = "float32"
-QUANTIZATION = "none"
-BLOCK_SIZE = 16
 # The KV pool the experiments assume a server would have: the engine's CPU default ceiling.
 DEFAULT_KV_CACHE_MEMORY = 4 << 30
 DEFAULT_MAX_NUM_SEQS = 256  # the engine's default
@@ -42,17 +40,6 @@ class Settings:
     model: str | None = None
     seed: int = 0
     progress: bool = True
-
-
-@dataclass
-class Needs:
-    """What an experiment asks of the shared engine: the sweep cases it runs, and any token
-    budget, sequence count or KV tokens its own real requests need beyond them."""
-
-    cases: list[Case] = field(default_factory=list)
-    budget: int = 1
-    seqs: int = 1
-    kv_tokens: int = 0
 
 
 def machine_info() -> dict:
@@ -99,8 +86,6 @@ class Context:
     @property
     def hardware(self) -> HardwareSpec:
         if self._hardware is None:
-            from quill.bench.experiments.calibration import load_or_calibrate
-
             self._hardware, self.calibration = load_or_calibrate(self)
         return self._hardware
 
@@ -137,29 +122,3 @@ class Context:
         blocks_per_seq = -(-tokens_per_seq // BLOCK_SIZE)
         fits = (self.kv_pool_tokens() // BLOCK_SIZE) // blocks_per_seq
         return int(min(self.settings.max_num_seqs, fits))
-
-
-def build_engine(needs: list[Needs], model_dir: Path, model: ModelSpec):
-    """An LLMEngine (float32, unquantized) whose budget, sequence limit and KV pool hold every
-    case and request the experiments declared, and no more."""
-    from quill.config import EngineConfig
-    from quill.engine.llm_engine import LLMEngine
-
-    cases = [c for n in needs for c in n.cases]
-    budget = max([n.budget for n in needs] + [c.step_tokens for c in cases] + [1])
-    seqs = max([n.seqs for n in needs] + [c.decodes + c.chunks for c in cases] + [1])
-    blocks = max(
-        [-(-c.kv_tokens // BLOCK_SIZE) + c.decodes + c.chunks for c in cases]
-        + [-(-n.kv_tokens // BLOCK_SIZE) + n.seqs for n in needs]
-        + [1]
-    )
-    config = EngineConfig(
-        model=str(model_dir),
-        dtype=DTYPE,
-        quantization=QUANTIZATION,
-        block_size=BLOCK_SIZE,
-        max_num_batched_tokens=budget,
-        max_num_seqs=seqs,
-        kv_cache_memory=int((blocks + 4) * BLOCK_SIZE * model.kv_bytes_per_token),
-    )
-    return LLMEngine(config)

@@ -11,7 +11,8 @@ KV cache), which says how much of the saving is the sharing.
 
 from __future__ import annotations
 
-from quill.bench.experiments.context import Needs, Settings
+from quill.bench.experiments.context import Settings
+from quill.bench.experiments.engine import Needs
 from quill.bench.experiments.measure import measure_cases
 from quill.bench.experiments.report import (
     Section,

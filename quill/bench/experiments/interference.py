@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from quill.bench.experiments.context import Needs
+from quill.bench.experiments.engine import Needs
 from quill.bench.experiments.report import Section, Table, pct, seconds, times
 from quill.bench.experiments.scenario import (
     NEWCOMER,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import random
 import time
 
-from quill.bench.experiments.context import Needs, Settings
+from quill.bench.experiments.context import Settings
+from quill.bench.experiments.engine import Needs
 from quill.bench.experiments.measure import measure_cases
 from quill.bench.experiments.report import Section, Table, num, pct, seconds, times
 from quill.bench.experiments.stats import integrate_steps, median, relative_error
