@@ -63,7 +63,7 @@ def run_side(side: Side, prompts: list[str], warmup: list[str], clients: int, ar
     finally:
         server.stop()
     summary = summarize(records)
-    ok = [r.prompt_tokens for r in records if r.ok]
+    ok = [r.prompt_tokens for r in records if r.ok and r.prompt_tokens is not None]
     summary["prompt_tokens_mean"] = statistics.mean(ok) if ok else None
     summary["start_s"] = start_s
     summary["command"] = server.cmd

@@ -11,10 +11,10 @@ import time
 import httpx
 import pytest
 
-from quill.bench.client import RequestRecord, count_new_tokens, stream_completion
+from quill.bench.client import token_gaps
 from quill.bench.datasets import BenchRequest
 from quill.bench.runner import Target, run_requests
-from quill.bench.stream import StreamRecord, stream_request
+from quill.bench.stream import StreamRecord, count_new_tokens, stream_request
 
 
 def test_counts_logprob_entries_per_chunk():
@@ -193,23 +193,10 @@ def test_refused_connection_and_timeout_are_failures():
     assert not record.ok and record.error == "timed out after 0.1 s"
 
 
-def test_old_stream_completion_still_counts_every_token():
-    body = _sse(
-        {"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "b"]}}]},
-        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2}},
-        "[DONE]",
-    )
-
-    async def go() -> RequestRecord:
-        record = RequestRecord("r", 0, 2, 0.0)
-        transport = httpx.MockTransport(lambda _: httpx.Response(200, content=body))
-        async with httpx.AsyncClient(base_url="http://t", transport=transport) as client:
-            await stream_completion(client, record, {"prompt": "x"})
-        return record
-
-    record = asyncio.run(go())
-    assert record.ok and record.output_tokens == 2 and record.prompt_tokens == 7
-    assert len(record.chunk_times) == 2  # one timestamp per token
+def test_a_chunk_of_several_tokens_gives_one_gap_and_zeros():
+    record = StreamRecord(0, 3, 4, 0.0, sent=0.0, ended=1.0)
+    record.chunk_times, record.chunk_tokens = [0.1, 0.3, 0.6], [1, 2, None]
+    assert token_gaps(record) == [pytest.approx(0.2), 0.0, pytest.approx(0.3)]
 
 
 # -- sending a run (quill.bench.runner) ------------------------------------------------------

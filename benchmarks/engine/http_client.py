@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+import time
 
 import httpx
 
-from quill.bench.client import RequestRecord, random_prompt, stream_completion
+from quill.bench.client import random_prompt
+from quill.bench.stream import StreamRecord, stream_request
 from quill.model.default_model import default_model_dir
 
 
@@ -52,21 +54,21 @@ def text_prompts(count: int, length: int, seed: int) -> list[str]:
 
 async def closed_loop(
     url: str, prompts: list[str], clients: int, max_tokens: int, extra_body: dict
-) -> list[RequestRecord]:
+) -> list[StreamRecord]:
     """`clients` clients, each streaming its share of `prompts` one request after the other."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    records: list[RequestRecord] = []
+    records: list[StreamRecord] = []
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
 
         async def one_client(mine: list[tuple[int, str]]) -> None:
             for i, prompt in mine:
-                record = RequestRecord(f"req-{i}", 0, max_tokens, scheduled=0.0)
+                record = StreamRecord(i, 0, max_tokens, scheduled=0.0)
                 records.append(record)
                 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
                 body |= {"ignore_eos": True, "temperature": 0, "stream": True}
                 body |= {"stream_options": {"include_usage": True}, **extra_body}
-                await stream_completion(client, record, body)
+                await stream_request(client, "/v1/completions", body, record, time.monotonic)
 
         numbered = list(enumerate(prompts))
         await asyncio.gather(*(one_client(numbered[k::clients]) for k in range(clients)))

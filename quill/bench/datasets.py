@@ -28,7 +28,7 @@ class BenchRequest:
     """One request to send: its prompt text, its tokens as the tokenizer counts them, and how
     many tokens to ask for."""
 
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (completions only)
     prompt_len: int
     output_len: int
 

@@ -30,6 +30,7 @@ class Target:
     ignore_eos: bool = False
     timeout: float = 600.0
     max_concurrency: int | None = None
+    extra_body: dict | None = None  # fields every request adds (or overrides)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -52,7 +53,7 @@ def request_body(target: Target, request: BenchRequest) -> dict:
     }
     if target.ignore_eos:
         body["ignore_eos"] = True
-    return body
+    return body | (target.extra_body or {})
 
 
 async def first_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:

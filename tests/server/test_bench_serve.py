@@ -112,3 +112,33 @@ def test_bench_serve_without_a_server_fails_every_request_and_reports(tmp_path):
     assert result["summary"]["failed"] == 2
     for r in result["requests"]:
         assert r["status"] is None and r["error"].startswith("ConnectError")
+
+
+def test_a_simulator_workload_runs_through_the_same_client(base_url, model_name):
+    """quill.bench.client.run_workload (what benchmarks/ compares with the simulator) sends
+    each item at its arrival time through quill.bench.runner, and summarize counts every
+    token: ignore_eos replies of exactly the asked length, one gap per token after the first."""
+    import asyncio
+    import random
+
+    from quill.bench.client import random_prompt, run_workload, summarize
+    from quill.sim.workload import WorkItem
+
+    items = [WorkItem(f"w{i}", 0.05 * i, 6 + i, 3 + i) for i in range(3)]
+    rng = random.Random(0)
+    records = asyncio.run(
+        run_workload(
+            base_url,
+            model_name,
+            items,
+            lambda item: random_prompt(item.prompt_tokens, rng, range(100, 4000)),
+            api_key=API_KEY,
+            extra_body={"logprobs": 0},
+        )
+    )
+    assert [r.output_tokens for r in records] == [3, 4, 5]
+    assert [r.prompt_tokens for r in records] == [6, 7, 8]
+    assert all(r.sent >= item.arrival_time for r, item in zip(records, items))
+    summary = summarize(records)
+    assert summary["num_failed"] == 0 and summary["output_tokens"] == 12
+    assert summary["itl_ms"]["count"] == 12 - 3  # every token but each reply's first
