@@ -19,11 +19,13 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from quill.config import EngineConfig
 from quill.contract.codec import Codec
@@ -42,6 +44,7 @@ from quill.contract.outputs import RequestMetrics
 from quill.frontend.inputs import InputProcessor
 from quill.frontend.outputs import OutputProcessor
 from quill.frontend.tokenizer import Tokenizer
+from quill.server.cores import split_cores
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +131,9 @@ class EngineClient:
             why = message.message if isinstance(message, EngineFailed) else "it exited"
             raise RuntimeError(f"the engine process could not start ({why}; exit code {code})")
         self.info = message
-        self.tokenizer = Tokenizer.load(_path(message.tokenizer_source), message.eos_token_ids)
+        self.tokenizer = Tokenizer.load(
+            Path(message.tokenizer_source).expanduser(), message.eos_token_ids
+        )
         self.inputs = InputProcessor(self.tokenizer, message.vocab_size, message.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer, self._on_stop)
         log.info(
@@ -180,6 +185,7 @@ class EngineClient:
                 pass
         self._stopped = True
         await asyncio.to_thread(self.join, timeout)
+        shutil.rmtree(self._dir, ignore_errors=True)  # the sockets' directory
         self._loop.remove_reader(self._zmq_fd)
         self._close_pidfd()
         self._zmq.destroy(linger=0)
@@ -389,27 +395,6 @@ class EngineClient:
         return f"the engine process died ({how})"
 
 
-# What measured faster on 2 vCPUs (docs/benchmarks.md, issue 18): see split_cores.
-_AUTO_API_CORE = "shared"
-
-
-def split_cores(api_core: str) -> tuple[set[int] | None, set[int] | None]:
-    """(the API process's CPUs, the engine process's), or (None, None) when they share all.
-
-    "own" gives the API process the first CPU this process may use and the engine the rest;
-    it needs at least two. "auto" is what the HTTP benchmark measured faster on this project's
-    2-vCPU machines.
-    """
-    if api_core not in ("auto", "shared", "own"):
-        raise ValueError(f"unknown api_core {api_core!r} (auto | shared | own)")
-    if api_core == "auto":
-        api_core = _AUTO_API_CORE
-    allowed = sorted(os.sched_getaffinity(0))
-    if api_core == "shared" or len(allowed) < 2:
-        return None, None
-    return {allowed[0]}, set(allowed[1:])
-
-
 def _as_exception(result: AddResult) -> Exception:
     error = result.error
     if error.kind == "invalid":
@@ -417,9 +402,3 @@ def _as_exception(result: AddResult) -> Exception:
     if error.kind == "overloaded":
         return OverloadedError(error.message, error.retry_after or 1.0)
     return EngineFailure(error.message)
-
-
-def _path(text: str):
-    from pathlib import Path
-
-    return Path(os.path.expanduser(text))
