@@ -30,15 +30,6 @@ def test_counts_llama_server_running_total():
     assert count_new_tokens({"timings": {"predicted_n": 3}}, counted=3) == 0
 
 
-def test_counts_vllm_continuous_usage_running_total():
-    # vLLM with stream_options.continuous_usage_stats: every chunk carries the running total,
-    # and a chunk may bring several tokens; the final usage-only chunk brings none.
-    chunk = {"choices": [{"text": "lo!"}], "usage": {"completion_tokens": 4}}
-    assert count_new_tokens(chunk, counted=1) == 3
-    assert count_new_tokens({"choices": [{"text": ""}], "usage": {"completion_tokens": 4}}, 4) == 0
-    assert count_new_tokens({"choices": [], "usage": {"completion_tokens": 4}}, counted=1) == 0
-
-
 # -- streaming one request (quill.bench.stream) ---------------------------------------------
 class Ticks:
     """A clock that reads the given times in turn: one read when the request is sent, one per

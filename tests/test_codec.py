@@ -126,7 +126,7 @@ messages = st.one_of(
     st.builds(EngineRequest, ids, tokens, params, times, st.integers(1, 1 << 20),
               st.integers(-100, 100), st.none() | st.text(max_size=8), maybe_time),  # fmt: skip
     st.builds(AbortRequests, st.lists(ids, max_size=5), st.sampled_from(["abort", "stop"])),
-    st.builds(EngineOutputs, st.lists(updates, max_size=5), st.none() | stats, st.booleans()),
+    st.builds(EngineOutputs, st.lists(updates, max_size=5), st.none() | stats),
     st.builds(AddResult, ids, st.none() | st.builds(ErrorInfo, st.sampled_from(
         ["invalid", "overloaded", "engine"]), st.text(), st.none() | st.text(), maybe_time)),
     st.builds(UtilityCall, st.integers(0, 1 << 30), st.text(min_size=1),

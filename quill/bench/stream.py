@@ -75,22 +75,16 @@ class StreamRecord:
 
 
 def count_new_tokens(chunk: dict, counted: int) -> int:
-    """Tokens a streamed chunk brings, `counted` being those its stream brought so far: one
-    logprob entry per token (completions' `tokens`, chat's `content`), llama-server's running
-    count (`timings.predicted_n`), else the running `usage.completion_tokens` vLLM puts on
-    every chunk with `stream_options.continuous_usage_stats` (exact when a chunk holds several
-    tokens). A chunk without choices (the final usage chunk) brings none."""
+    """Tokens a streamed chunk brings: one logprob entry per token (completions' `tokens`,
+    chat's `content`), or llama-server's running count (`timings.predicted_n`). (A chunk's
+    `usage` is read before this, in `_stream`.)"""
     timings = chunk.get("timings")
     if timings and "predicted_n" in timings:
         return max(timings["predicted_n"] - counted, 0)
     total = 0
-    choices = chunk.get("choices") or []
-    for choice in choices:
+    for choice in chunk.get("choices") or []:
         logprobs = choice.get("logprobs") or {}
         total += len(logprobs.get("tokens") or logprobs.get("content") or [])
-    usage = chunk.get("usage") or {}
-    if not total and choices and usage.get("completion_tokens") is not None:
-        total = max(usage["completion_tokens"] - counted, 0)
     return total
 
 

@@ -118,12 +118,10 @@ class StepStats:
 
 @dataclass
 class EngineOutputs:
-    """One step's news: request updates, and the step's stats when a model pass ran."""
+    """One step's news: request updates, and the step's stats (no tokens: it ran no pass)."""
 
     updates: list[RequestUpdate] = field(default_factory=list)
     stats: StepStats | None = None
-    # Whether a step ran no pass and found queues empty afterwards: lets a waiter stop polling.
-    idle: bool = False
 
 
 @dataclass

@@ -94,10 +94,6 @@ class LLMEngine:
             raise
         return req.request_id
 
-    def check_token_ids(self, token_ids: list[int]) -> None:
-        """Raise InvalidRequestError unless every id is in the vocabulary."""
-        self.inputs.check_token_ids(token_ids)
-
     def abort_request(self, request_id: str) -> None:
         self.worker.abort(request_id)
 
