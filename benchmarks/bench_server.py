@@ -10,10 +10,14 @@ with the engine's defaults (as `quill serve` and `LLM()` start). The offline eng
 requests in flight and steps; each server variant runs as a real subprocess (`--api-core
 shared` and `--api-core own`) and N asyncio clients, in this process, each stream their requests
 one after another over one keep-alive connection, timestamping every chunk (one token each).
-At each level the sides take turns round after round, each keeping its best round. Usage:
+A third offline side, "bare", runs with the step observers off (`--no-predict-ttft
+--no-cost-accounting`): its ratio to "offline" is what the observers cost a step (`--no-bare`
+leaves it out). At each level the sides take turns round after round, each keeping its best
+round. Usage:
 
     .venv/bin/python benchmarks/bench_server.py [--levels 1,4,16,64] [--max-tokens 64]
-        [--prompt-tokens 32] [--rounds 2] [--api-cores shared,own] [--json out.json]
+        [--prompt-tokens 32] [--rounds 2] [--api-cores shared,own] [--no-bare]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -33,7 +36,9 @@ from datetime import UTC, datetime
 
 import torch
 
-from quill import LLM, SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.engine.machine import machine_info  # noqa: E402
+from quill import LLM, SamplingParams  # noqa: E402
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -183,29 +188,38 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--api-cores", default="shared,own")
+    parser.add_argument(
+        "--bare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the offline engine with the step observers off",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     variants = args.api_cores.split(",")
 
-    llm = LLM()
+    engines = {"offline": LLM()}
+    if args.bare:
+        engines["bare"] = LLM(predict_ttft=False, cost_accounting=False)
     servers = {v: start_server(v) for v in variants}
     results: dict = {"levels": {}}
     try:
         warm = [prompt_ids(args.prompt_tokens, 10_000 + i) for i in range(8)]
-        run_offline(llm, 8, warm, 4)
+        for llm in engines.values():
+            run_offline(llm, 8, warm, 4)
         for _, url in servers.values():
             asyncio.run(run_clients(url, 8, warm, 4))
         for clients in levels:
             n = max(4, 2 * clients)
             prompts = [prompt_ids(args.prompt_tokens, clients * 1000 + i) for i in range(n)]
-            runs: dict[str, list[dict]] = {"offline": [], **{v: [] for v in variants}}
-            sides = ["offline", *variants]
+            sides = [*engines, *variants]
+            runs: dict[str, list[dict]] = {side: [] for side in sides}
             for r in range(args.rounds):
                 # Alternate the order too, so that drift on the machine hits every side alike.
                 for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
-                    if side == "offline":
-                        run = run_offline(llm, clients, prompts, args.max_tokens)
+                    if side in engines:
+                        run = run_offline(engines[side], clients, prompts, args.max_tokens)
                     else:
                         url = servers[side][1]
                         run = asyncio.run(run_clients(url, clients, prompts, args.max_tokens))
@@ -217,20 +231,27 @@ def main() -> None:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
+    info = machine_info(torch.get_num_threads())
     results.update(
         date=datetime.now(UTC).isoformat(timespec="seconds"),
-        machine=f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
+        machine=f"{info['cpu']} ({' '.join(info['cpu_flags'])}), {os.cpu_count()} cpus, "
+        f"torch {torch.__version__}",
+        machine_info=info,
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         config=vars(args),
     )
     print(f"\n{results['machine']}, {results['date']}\n`{results['command']}`\n")
     print(f"best of {args.rounds} alternating rounds; engine defaults (as `quill serve` starts)\n")
     head = " | ".join(f"{v}: tok/s (% offline), ITL p50, TTFT p50" for v in variants)
-    print(f"| streams | offline tok/s, decode step p50 | {head} |")
-    print("|---|---|" + "---|" * len(variants))
+    bare_head = " bare: tok/s (% offline) |" if args.bare else ""
+    print(f"| streams | offline tok/s, decode step p50 |{bare_head} {head} |")
+    print("|---|---|" + "---|" * (len(variants) + args.bare))
     for clients, level in results["levels"].items():
         off = level["best"]["offline"]
         cells = []
+        if args.bare:
+            bare = level["best"]["bare"]["tokens_per_s"]
+            cells.append(f"{bare:.1f} ({100 * bare / off['tokens_per_s']:.0f}%)")
         for v in variants:
             s = level["best"][v]
             share = 100 * s["tokens_per_s"] / off["tokens_per_s"]

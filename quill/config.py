@@ -57,6 +57,11 @@ class EngineConfig:
     priority_aging: float = 10.0  # seconds of waiting worth one priority level (inf: none)
     # Refuse a request at once when its predicted time to first token exceeds this (seconds).
     max_ttft_slo: float | None = None
+    # The step observers; each costs nothing when off. TTFT prediction gives every request its
+    # predicted time to first token (and is what max_ttft_slo and per-request SLOs refuse by);
+    # cost accounting charges every request its FLOPs, bytes and dollars and prices each step.
+    predict_ttft: bool = True
+    cost_accounting: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -84,6 +89,8 @@ class EngineConfig:
             self.max_ttft_slo > 0 and math.isfinite(self.max_ttft_slo)
         ):
             raise ValueError(f"max_ttft_slo must be positive seconds, got {self.max_ttft_slo}")
+        if self.max_ttft_slo is not None and not self.predict_ttft:
+            raise ValueError("max_ttft_slo refuses by predicted TTFT: it needs predict_ttft on")
         if self.quantization is None:
             self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:

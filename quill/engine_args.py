@@ -33,6 +33,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="append every step's composition and wall time to FILE (JSONL)",
     )
     parser.add_argument(
+        "--cost-accounting",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="charge every request its FLOPs, bytes moved and (with a price) dollars, and price "
+        "every step on the cost model (off: no per-step cost)",
+    )
+    parser.add_argument(
         "--hardware",
         default=None,
         help="cost model hardware: a preset or a `quill cost calibrate` file "
@@ -62,6 +69,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="refuse at once (503, Retry-After) a request whose predicted time to first token "
         "exceeds MS milliseconds, instead of queuing it to time out",
+    )
+    parser.add_argument(
+        "--predict-ttft",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="predict every request's time to first token as it arrives (reported beside the "
+        "actual one; needed by --max-ttft-slo and per-request ttft_slo_ms)",
     )
 
 
@@ -108,6 +122,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         scheduling_policy=args.scheduling_policy,
         priority_aging=args.priority_aging,
         max_ttft_slo=None if args.max_ttft_slo is None else args.max_ttft_slo / 1000,
+        predict_ttft=args.predict_ttft,
+        cost_accounting=args.cost_accounting,
     )
 
 

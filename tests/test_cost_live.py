@@ -93,3 +93,54 @@ def test_saved_calibration_is_found_by_dtype(tmp_path):
     assert find_calibration("float32", tmp_path).name == "this-cpu"
     assert find_calibration("bfloat16", tmp_path) is None
     assert find_calibration("float32", tmp_path / "missing") is None
+
+
+def test_observers_off_leave_the_tokens_and_cost_nothing(llm, model_dir):
+    """--no-predict-ttft --no-cost-accounting: no observer runs in the step (none is even
+    built), the tokens are the same, the request carries no prediction and no charges, and a
+    request asking for a TTFT SLO is refused as one this engine cannot keep."""
+    from quill import LLM
+    from quill.contract.errors import InvalidRequestError
+
+    bare = LLM(
+        str(model_dir),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        quantization="none",
+        kv_cache_memory=64 << 20,
+        predict_ttft=False,
+        cost_accounting=False,
+    )
+    core = bare.engine.worker.core
+    assert core.admission is None and core.step_listeners == [] and bare.engine.accountant is None
+    prompts = [[11] * 40, [12] * 7]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = bare.generate(prompts, params, use_tqdm=False)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    for out, ref in zip(outs, want):
+        assert out.metrics.flops is None and out.metrics.bytes_moved is None
+        assert out.metrics.predicted_time_to_first_token is None
+        assert ref.metrics.flops > 0 and ref.metrics.predicted_time_to_first_token is not None
+    assert bare.engine.last_step.price is None
+    with pytest.raises(InvalidRequestError, match="TTFT prediction") as err:
+        bare.engine.add_request([1, 2, 3], params, "slo", ttft_slo=1.0)
+    assert err.value.param == "ttft_slo"
+    with pytest.raises(ValueError, match="predict_ttft"):
+        LLM(str(model_dir), predict_ttft=False, max_ttft_slo=0.5)
+
+
+def test_observer_flags_reach_the_engine_config():
+    import argparse
+
+    from quill.config import EngineConfig
+    from quill.engine_args import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    on = EngineConfig(**engine_options(parser.parse_args([])))
+    assert on.predict_ttft and on.cost_accounting
+    off = EngineConfig(
+        **engine_options(parser.parse_args(["--no-predict-ttft", "--no-cost-accounting"]))
+    )
+    assert not off.predict_ttft and not off.cost_accounting

@@ -87,6 +87,12 @@ class EngineCore:
         """Validate and queue a request for the next step; raises InvalidRequestError, or
         OverloadedError when admission control predicts it would start past its SLO."""
         self.scheduler.check_request(request)
+        if request.ttft_slo is not None and self.admission is None:
+            raise InvalidRequestError(
+                "ttft_slo needs TTFT prediction, which this engine runs without "
+                "(started with --no-predict-ttft)",
+                "ttft_slo",
+            )
         kv = self.scheduler.kv
         with self._lock:
             if request.request_id in self._live_ids:

@@ -48,18 +48,23 @@ class EngineWorker:
             config.scheduling_policy,
             config.priority_aging,
         )
-        self.accountant = _make_accountant(config, built)
-        listeners = [self.accountant]
+        # The observers, each left out when off so that a step pays nothing for it.
+        self.accountant = _make_accountant(config, built) if config.cost_accounting else None
+        listeners = [self.accountant] if self.accountant is not None else []
         if config.record_steps:
             from quill.engine.record import StepRecorder
 
             listeners.append(StepRecorder(config.record_steps))
-        admission = _make_admission(config, self.accountant, built.token_budget)
+        admission = None
+        if config.predict_ttft:
+            admission = _make_admission(config, self.accountant, built.token_budget)
         self.core = EngineCore(scheduler, self.runner, clock, listeners, admission)
         log.info(
-            "prefix caching: %s; scheduling policy: %s%s",
+            "prefix caching: %s; scheduling policy: %s; TTFT prediction: %s; cost accounting: %s%s",
             "on" if config.enable_prefix_caching else "off",
             config.scheduling_policy,
+            "on" if config.predict_ttft else "off",
+            "on" if config.cost_accounting else "off",
             f"; TTFT SLO {config.max_ttft_slo * 1000:g} ms" if config.max_ttft_slo else "",
         )
         self.clock = self.core.clock
@@ -107,7 +112,7 @@ class EngineWorker:
         if request is None:
             return None
         self._num_reported.pop(request_id, None)
-        return request.metrics(self.accountant.take(request_id))
+        return request.metrics(self._take_cost(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -134,7 +139,7 @@ class EngineWorker:
             kv = sched.kv
             stats = StepStats(0, 0, 0, sched.num_running, sched.num_waiting, kv.usage, 0, 0.0,
                               kv.stats.queries, kv.stats.hits)  # fmt: skip
-        else:
+        elif self.accountant is not None:
             priced = self.accountant.last  # priced by its on_step, which ran with this step
             if priced is not None:
                 mfu, mbu = self.accountant.utilization(priced)
@@ -147,6 +152,9 @@ class EngineWorker:
                 )
         return EngineOutputs(updates, stats)
 
+    def _take_cost(self, request_id: str):
+        return None if self.accountant is None else self.accountant.take(request_id)
+
     def _update(self, request: Request, out: CoreOutput, final: bool) -> RequestUpdate:
         request_id = request.request_id
         sent = self._num_reported.get(request_id, 0)
@@ -156,10 +164,10 @@ class EngineWorker:
             logprobs = out.logprobs.get(request_id)
         if final:
             self._num_reported.pop(request_id, None)
-            cost = self.accountant.take(request_id)
+            cost = self._take_cost(request_id)
         else:
             self._num_reported[request_id] = request.num_output_tokens
-            cost = self.accountant.peek(request_id)
+            cost = None if self.accountant is None else self.accountant.peek(request_id)
         return RequestUpdate(
             request_id=request_id,
             new_token_ids=new_tokens,
@@ -177,7 +185,7 @@ def _make_admission(config: EngineConfig, accountant, token_budget: int):
     of the measured steps against their token counts."""
     from quill.engine.admission import AdmissionControl, StepTimer
 
-    cost_model = accountant.cost_model
+    cost_model = None if accountant is None else accountant.cost_model
     if cost_model is not None:
         timer = StepTimer.from_cost_model(cost_model)
     else:
