@@ -62,6 +62,11 @@ class EngineConfig:
     # cost accounting charges every request its FLOPs, bytes and dollars and prices each step.
     predict_ttft: bool = True
     cost_accounting: bool = True
+    # Ranks that each hold a slice of every layer (quill/distributed); 1: the whole model here.
+    tensor_parallel_size: int = 1
+    # Seconds a tensor-parallel collective may wait for a rank before the engine gives up on it
+    # (a rank that dies is seen at once; this bounds one that hangs). Above any CPU step.
+    distributed_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -89,6 +94,16 @@ class EngineConfig:
             self.max_ttft_slo > 0 and math.isfinite(self.max_ttft_slo)
         ):
             raise ValueError(f"max_ttft_slo must be positive seconds, got {self.max_ttft_slo}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if not self.distributed_timeout > 0:
+            raise ValueError(
+                f"distributed_timeout must be positive seconds, got {self.distributed_timeout}"
+            )
+        if self.tensor_parallel_size > 1 and self.compile:
+            raise ValueError("compile is not supported with tensor_parallel_size > 1")
         if self.max_ttft_slo is not None and not self.predict_ttft:
             raise ValueError("max_ttft_slo refuses by predicted TTFT: it needs predict_ttft on")
         if self.quantization is None:

@@ -18,6 +18,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
     add_scheduler_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split every layer over N ranks (processes; torch.distributed, gloo on the CPU)",
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile (slow start)")
     parser.add_argument(
         "--quantization",
@@ -123,6 +131,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         priority_aging=args.priority_aging,
         max_ttft_slo=None if args.max_ttft_slo is None else args.max_ttft_slo / 1000,
         predict_ttft=args.predict_ttft,
+        tensor_parallel_size=args.tensor_parallel_size,
         cost_accounting=args.cost_accounting,
     )
 

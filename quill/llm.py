@@ -20,6 +20,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks), if it has any."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

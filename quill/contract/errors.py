@@ -29,5 +29,10 @@ class OverloadedError(QuillError):
         self.retry_after = retry_after
 
 
+class ExecutorFailedError(QuillError):
+    """The model executor cannot go on (a tensor-parallel rank died, hung or fell out of step):
+    the engine stops rather than retry the step."""
+
+
 class EngineDeadError(QuillError):
     """The engine process is gone (crashed, killed, out of memory): nothing more is served."""

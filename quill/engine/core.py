@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from quill.contract.errors import InvalidRequestError
+from quill.contract.errors import ExecutorFailedError, InvalidRequestError
 from quill.contract.messages import StepStats
 from quill.contract.plan import Executor, SampleLogprobs, SeqPlan, StepPlan, StepResult
 from quill.engine.admission import AdmissionControl, QueueState
@@ -233,6 +233,8 @@ class EngineCore:
         """
         try:
             return self.executor.execute(plan), plan, {}
+        except ExecutorFailedError:  # the executor itself is gone: no retry can run
+            raise
         except Exception as e:  # one bad request must not take the step, or the engine, down
             batch_error = e
         if len(plan.seqs) == 1:
@@ -275,6 +277,8 @@ class EngineCore:
         for seq in plan.seqs:
             try:
                 result = self.executor.execute(StepPlan(plan.step_id, [seq], ended))
+            except ExecutorFailedError:
+                raise
             except Exception as e:
                 failures.append((seq, e))
                 continue

@@ -100,6 +100,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.worker.has_unfinished_requests()
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (they also stop when this process
+        exits)."""
+        self.worker.close()
+
     @property
     def num_unscheduled(self) -> int:
         return self.worker.num_unscheduled

@@ -32,7 +32,7 @@ from collections import deque
 
 from quill.config import EngineConfig
 from quill.contract.codec import Codec
-from quill.contract.errors import InvalidRequestError, OverloadedError
+from quill.contract.errors import ExecutorFailedError, InvalidRequestError, OverloadedError
 from quill.contract.messages import (
     AbortRequests,
     AddResult,
@@ -187,12 +187,15 @@ class EngineLoop:
             return 1
         finally:
             self._close()
+            self.worker.close()
         return 0
 
     def _step(self) -> None:
         try:
             self._maybe_fault("step")
             out: EngineOutputs = self.worker.step()
+        except ExecutorFailedError:
+            raise  # the model cannot run any more: the loop ends, the server hears it is fatal
         except Exception as e:
             # A step that raised leaves its requests' state unknown: the front end fails and
             # aborts everything in flight, and the engine carries on with what comes next.

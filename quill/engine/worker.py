@@ -117,6 +117,12 @@ class EngineWorker:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def close(self) -> None:
+        """Stop what the executor started (the other tensor-parallel ranks)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     @property
     def num_unscheduled(self) -> int:
         return self.core.num_unscheduled

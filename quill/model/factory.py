@@ -46,19 +46,27 @@ class ModelExecutor:
     num_blocks: int
 
 
-def build_model_executor(config: EngineConfig) -> ModelExecutor:
+def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
+    """The executor for `config`; with tensor_parallel_size > 1 it starts the other ranks
+    and runs rank 0 here. `tp` (quill.distributed.group.TensorParallel): build that rank's
+    slice only, as a rank does."""
+    if config.tensor_parallel_size > 1 and tp is None:
+        from quill.distributed.executor import start_tensor_parallel
+
+        return start_tensor_parallel(config)
     device = resolve_device(config.device)
     if device.type == "cpu":
-        _set_cpu_threads()
+        _set_cpu_threads(tp.size if tp is not None else 1)
     dtype = resolve_dtype(config.dtype, device)
-    if config.model is None:
-        from quill.model.default_model import default_model_dir
-
-        model_path = default_model_dir()
-    else:
-        model_path = Path(config.model).expanduser()
+    model_path = model_path_of(config)
     loaded = load_model(model_path, config.load_format, dtype, device)
-    _quantize(loaded.model, config.quantization, device, loaded.blocks)
+    blocks = loaded.blocks
+    if tp is not None:
+        from quill.distributed.shard import shard_model
+
+        shard_model(loaded.model, tp)
+        blocks = {}  # each rank quantizes its own slices from the floats
+    _quantize(loaded.model, config.quantization, device, blocks)
     tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source
     declared_ends = loaded.config.eos_token_ids + generation_config_eos_ids(loaded.source)
     tokenizer = Tokenizer.load(tok_source, declared_ends)
@@ -75,7 +83,7 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
         tokenizer.eos_token_ids,
         kv_cache_dtype,
     )
-    num_blocks = _num_kv_blocks(config, runner, device, max_model_len)
+    num_blocks = _num_kv_blocks(config, runner, device, max_model_len, tp)
     runner.allocate_kv_cache(num_blocks)
     if config.compile:
         from quill.model.compile import compile_runner
@@ -100,8 +108,17 @@ def build_model_executor(config: EngineConfig) -> ModelExecutor:
     )
 
 
-def _set_cpu_threads() -> None:
-    """One compute thread per core this process may use, never more.
+def model_path_of(config: EngineConfig) -> Path:
+    if config.model is None:
+        from quill.model.default_model import default_model_dir
+
+        return default_model_dir()
+    return Path(config.model).expanduser()
+
+
+def _set_cpu_threads(num_ranks: int = 1) -> None:
+    """One compute thread per core this process may use, never more; with several
+    tensor-parallel ranks on this host, each takes its share (at least one).
 
     torch counts the host's physical cores; in a container or under `taskset` the process may
     use fewer, and surplus OpenMP threads then wait on each other at every operator.
@@ -110,8 +127,10 @@ def _set_cpu_threads() -> None:
     quota = _cgroup_cpu_quota()
     if quota is not None:
         allowed = min(allowed or quota, quota)
-    if allowed and torch.get_num_threads() > allowed:
-        torch.set_num_threads(allowed)
+    if allowed:
+        allowed = max(1, allowed // num_ranks)
+        if torch.get_num_threads() > allowed or num_ranks > 1:
+            torch.set_num_threads(allowed)
     log.info("compute threads: %d", torch.get_num_threads())
 
 
@@ -163,8 +182,18 @@ def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
         )
 
 
-def _num_kv_blocks(config: EngineConfig, runner: ModelRunner, device, max_model_len: int) -> int:
+def _num_kv_blocks(
+    config: EngineConfig, runner: ModelRunner, device, max_model_len: int, tp=None
+) -> int:
+    """Blocks in the pool: rank 0's count for every rank (the scheduler knows one pool)."""
     per_block = runner.kv_bytes_per_block()
+    if tp is not None and device.type == "cpu":
+        per_block *= tp.size  # the ranks on this host share its memory
+    num_blocks = _blocks_for(config, per_block, device, max_model_len)
+    return num_blocks if tp is None else tp.broadcast_int(num_blocks)
+
+
+def _blocks_for(config: EngineConfig, per_block: int, device, max_model_len: int) -> int:
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":

@@ -80,6 +80,9 @@ class DecoderLayer(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias=False)
         self.down_proj = Linear(config.intermediate_size, hidden, bias=False)
+        # The rank group when the layer holds one rank's slices (quill/distributed/shard.py):
+        # o and down then give partial sums, added up over the ranks.
+        self.tp = None
 
     def forward(
         self,
@@ -102,9 +105,14 @@ class DecoderLayer(nn.Module):
         q, k = fused.rope(q, k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        h = self.post_attention_layernorm(self.o_proj(attn.view(n, self.q_size)), residual)
-        gate, up = self.gate_up_proj(h)
-        return self.down_proj(fused.silu_mul(gate, up)), residual
+        o = self.o_proj(attn.view(n, self.q_size))
+        if self.tp is not None:
+            self.tp.all_reduce(o)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(o, residual))
+        out = self.down_proj(fused.silu_mul(gate, up))
+        if self.tp is not None:
+            self.tp.all_reduce(out)
+        return out, residual
 
     def _native_weights(self) -> tuple | None:
         """The layer's weights for quill::decoder_layer, and the rows up to which all its
@@ -146,6 +154,8 @@ class DecoderLayer(nn.Module):
 def _native_layer_weights(layer: DecoderLayer) -> tuple | None:
     from quill.model.quant import QuantizedLinear
 
+    if layer.tp is not None:  # the fused layer has no place for the all-reduces
+        return None
     linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if any(m.bias is not None for m in linears) or not fused.use_native(norms[0]):

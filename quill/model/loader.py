@@ -193,6 +193,32 @@ def load_model(
 ) -> LoadedModel:
     """Load from a Hugging Face directory or a GGUF file (dummy weights need only config.json)."""
     path = Path(path)
+    hf_config, reader = _read_config(path, load_format)
+    is_gguf = reader is not None
+    config = ModelConfig.from_hf_dict(hf_config)
+    positions = max_positions or config.max_position_embeddings
+    model = _build(config, positions, dtype, device)
+    blocks = {}
+    if load_format == "dummy":
+        _dummy_init(model)
+    elif is_gguf:
+        from quill.model import gguf_loader
+
+        load_weights(model, gguf_loader.gguf_tensors(reader, hf_config), config)
+        blocks = _block_params(gguf_loader.gguf_quantized_blocks(reader, hf_config), model, config)
+    else:
+        load_weights(model, _safetensors_weights(_safetensors_files(path)), config)
+    model.eval()
+    return LoadedModel(model, config, hf_config, path, blocks)
+
+
+def read_model_config(path: str | Path, load_format: str) -> ModelConfig:
+    """The model's shape, without loading its weights."""
+    return ModelConfig.from_hf_dict(_read_config(Path(path), load_format)[0])
+
+
+def _read_config(path: Path, load_format: str) -> tuple[dict, object]:
+    """The Hugging Face config, and the open GGUF reader when the model is a GGUF file."""
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
     is_gguf = path.is_file() and (path.suffix == ".gguf" or load_format == "gguf")
@@ -202,28 +228,10 @@ def load_model(
         from quill.model import gguf_loader
 
         reader = gguf_loader.open_gguf(path)
-        hf_config = gguf_loader.gguf_hf_config(reader)
-    else:
-        hf_config = (
-            json.loads((path / "config.json").read_text())
-            if (path / "config.json").is_file()
-            else None
-        )
-        if hf_config is None:
-            raise ModelLoadError(f"no config.json in model directory {str(path)!r}")
-    config = ModelConfig.from_hf_dict(hf_config)
-    positions = max_positions or config.max_position_embeddings
-    model = _build(config, positions, dtype, device)
-    blocks = {}
-    if load_format == "dummy":
-        _dummy_init(model)
-    elif is_gguf:
-        load_weights(model, gguf_loader.gguf_tensors(reader, hf_config), config)
-        blocks = _block_params(gguf_loader.gguf_quantized_blocks(reader, hf_config), model, config)
-    else:
-        load_weights(model, _safetensors_weights(_safetensors_files(path)), config)
-    model.eval()
-    return LoadedModel(model, config, hf_config, path, blocks)
+        return gguf_loader.gguf_hf_config(reader), reader
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in model directory {str(path)!r}")
+    return json.loads((path / "config.json").read_text()), None
 
 
 def _block_params(blocks, model: LlamaForCausalLM, config: ModelConfig) -> dict:

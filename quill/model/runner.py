@@ -63,6 +63,8 @@ class ModelRunner:
         self.layout: AttentionLayout | None = None  # set with the cache
         self.forward = model.forward  # replaced by a compiled wrapper when compiling
         self.padded_size = lambda num_tokens: num_tokens  # compiled steps pad to a bucket
+        # Tensor-parallel ranks but the first run the layers only: sampling is rank 0's.
+        self.computes_logits = True
 
     def kv_bytes_per_block(self) -> int:
         elem = self.kv_cache_dtype.itemsize
@@ -155,7 +157,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = pos.to(dev)
         hidden = self.forward(ids, pos, self.kv_caches, meta)
-        if not sample_rows:
+        if not sample_rows or not self.computes_logits:
             return ForwardOutput(None, [])
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return ForwardOutput(self.model.compute_logits(hidden[rows]), sampling)

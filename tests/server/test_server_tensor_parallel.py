@@ -1,0 +1,60 @@
+"""`quill serve --tensor-parallel-size 3`: the same greedy text as one rank over the OpenAI API,
+and a rank killed mid-stream ends the stream with an error, turns /health to 503 and stops the
+server with a non-zero status, leaving no process behind."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import psutil
+from test_server_cli import AUTH, KEY, LONG_STREAM, ServeProcess
+
+from quill.contract.sampling_params import SamplingParams
+
+TP3 = ("--tensor-parallel-size", "3", "--dtype", "float32", "--kv-cache-dtype", "float32",
+       "--quantization", "none", "--kv-cache-memory", "64MiB", "--port", "0",
+       "--served-model-name", "smol", "--max-num-seqs", "4", "--no-access-log")  # fmt: skip
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def test_tp3_serves_the_one_rank_text_and_a_killed_rank_stops_the_server(llm):
+    want = [
+        o.outputs[0].text
+        for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    ]
+    served = ServeProcess(*TP3)
+    try:
+        url = served.ready()
+        engine = served.engine()
+        # Ranks 1 and 2, spawned (beside them, multiprocessing's resource tracker).
+        engine_children = engine.children()
+        ranks = [p for p in engine_children if "spawn_main" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, engine.children()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        resp = client.completions.create(model="smol", prompt=PROMPTS, max_tokens=24, temperature=0)
+        assert [c.text for c in resp.choices] == want
+        rank = ranks[-1]
+        with httpx.Client(base_url=url, timeout=60) as c:
+            events = []
+            with c.stream("POST", "/v1/chat/completions", json=LONG_STREAM, headers=AUTH) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line)
+                    if len(events) == 3:
+                        rank.kill()
+                        killed = time.monotonic()
+            assert time.monotonic() - killed < 5
+            assert events[-1] == "data: [DONE]"
+            assert '"error"' in events[-2] and "tensor-parallel" in events[-2], events[-2]
+            assert c.get("/health").status_code == 503
+        assert served.proc.wait(timeout=30) == 1
+        for proc in [engine, *engine_children]:
+            try:
+                proc.wait(10)
+            except psutil.NoSuchProcess:
+                pass
+            assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    finally:
+        served.kill()

@@ -1,0 +1,152 @@
+"""Tensor parallelism (quill/distributed): the same tokens and logits as one rank, on gloo.
+
+Every variant runs at TP=1, 2 and 3 in fp32 and is held against TP=1, which the parity tests
+hold against transformers: random Llama checkpoints whose heads divide 2 and 3 (12 query heads,
+6 KV heads), one with a single KV head (replicated on every rank), a Qwen2 one with q/k/v
+biases, and SmolLM2-135M itself at TP=3 (9 query heads, 3 KV heads). Then the failures: a rank
+killed between steps, a size the model cannot split.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from quill import LLM, SamplingParams
+from quill.contract.errors import ExecutorFailedError, ModelLoadError
+
+PROMPTS = [[11, 12, 13, 14], [500] * 40, list(range(1000, 1077))]  # 77: several blocks
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=3)
+
+
+def _checkpoint(directory, kind: str, heads: int, kv_heads: int) -> str:
+    import transformers
+
+    common = dict(
+        vocab_size=49152,  # the default model's tokenizer
+        hidden_size=heads * 16,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    torch.manual_seed(0)
+    with torch.no_grad():  # large random weights, so greedy paths are not all one token
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.eval().save_pretrained(str(directory))
+    return str(directory)
+
+
+def _engine(path: str, tp: int, tokenizer=None, **options) -> LLM:
+    options = {"kv_cache_memory": 32 << 20, **options}
+    return LLM(
+        path,
+        tokenizer=tokenizer,
+        dtype="float32",
+        kv_cache_dtype="float32",
+        quantization="none",
+        tensor_parallel_size=tp,
+        **options,
+    )
+
+
+def _run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _assert_same(got, want) -> None:
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        for mine, theirs in zip(logprobs, want_logprobs, strict=True):
+            assert mine.keys() == theirs.keys()
+            for token, value in theirs.items():
+                assert mine[token] == pytest.approx(value, abs=2e-4)
+
+
+VARIANTS = {
+    "llama, 12 query / 6 KV heads": ("llama", 12, 6),
+    "llama, one KV head (replicated)": ("llama", 6, 1),
+    "qwen2, q/k/v biases": ("qwen2", 12, 6),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tp2_and_tp3_match_one_rank(variant, tmp_path, model_dir):
+    path = _checkpoint(tmp_path, *VARIANTS[variant])
+    with _engine(path, 1, model_dir) as one:
+        want = _run(one)
+    for tp in (2, 3):
+        with _engine(path, tp, model_dir) as llm:
+            got = _run(llm)
+            processes = llm.engine.worker.runner.processes
+            assert len(processes) == tp - 1 and all(p.is_alive() for p in processes)
+        _assert_same(got, want)
+        assert not any(p.is_alive() for p in processes)  # close() leaves no rank behind
+
+
+def test_default_model_at_tp3_matches_one_rank(llm, model_dir):
+    want = _run(llm)  # the suite's one-rank fp32 engine
+    with _engine(str(model_dir), 3, kv_cache_memory=64 << 20) as three:
+        layer = three.engine.worker.runner.runner.model.layers[0]
+        assert (layer.num_heads, layer.num_kv_heads) == (3, 1)  # rank 0's slice of 9 and 3
+        _assert_same(_run(three), want)
+
+
+def test_a_size_that_cannot_split_is_refused_before_starting(model_dir):
+    with pytest.raises(ModelLoadError, match=r"9 query heads do not divide among 2 ranks"):
+        _engine(str(model_dir), 2)
+
+
+def _fails_within(llm: LLM, seconds: float, signum: int, rank: int = 1) -> None:
+    """Signal a rank while the engine generates; the generate must raise in `seconds`."""
+    import threading
+
+    proc = llm.engine.worker.runner.processes[rank - 1]
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    timer = threading.Timer(0.3, os.kill, (proc.pid, signum))  # mid-run: most likely mid-step
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(ExecutorFailedError, match="tensor-parallel"):
+            llm.generate(PROMPTS * 4, long, use_tqdm=False)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < seconds
+
+
+def test_a_rank_killed_mid_run_fails_the_engine_at_once(tmp_path, model_dir):
+    path = _checkpoint(tmp_path, "llama", 12, 6)
+    llm = _engine(path, 2, model_dir)
+    processes = llm.engine.worker.runner.processes
+    try:
+        _fails_within(llm, 10, signal.SIGKILL)
+    finally:
+        llm.close()
+    assert not any(p.is_alive() for p in processes)
+    # Rank 0's group is gone with it: another engine can start in this process.
+    with _engine(path, 2, model_dir) as again:
+        assert _run(again)
+
+
+def test_a_rank_that_hangs_is_given_up_on_after_the_timeout(tmp_path, model_dir):
+    path = _checkpoint(tmp_path, "llama", 12, 6)
+    llm = _engine(path, 3, model_dir, distributed_timeout=3.0)
+    processes = llm.engine.worker.runner.processes
+    try:
+        _fails_within(llm, 3.0 + 15, signal.SIGSTOP, rank=2)
+    finally:
+        llm.close()  # kills the stopped rank
+    assert not any(p.is_alive() for p in processes)
