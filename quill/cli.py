@@ -1,4 +1,4 @@
-"""The `quill` command: generate, chat, serve, cost (and calibrate), simulate, bench."""
+"""The `quill` command: generate, chat, serve, tp-node, cost (and calibrate), simulate, bench."""
 
 from __future__ import annotations
 
@@ -73,6 +73,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tp_node(args: argparse.Namespace) -> int:
+    from quill.config import EngineConfig
+    from quill.distributed.executor import run_node
+
+    return run_node(EngineConfig(args.model, **engine_options(args)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_arguments(chat)
     _sampling_arguments(chat)
     chat.set_defaults(func=cmd_chat)
+
+    node = sub.add_parser(
+        "tp-node",
+        help="run this host's tensor-parallel ranks for a `quill serve` on node 0 (same flags, "
+        "and --node-rank)",
+    )
+    node.add_argument("model", nargs="?", default=None)
+    add_engine_arguments(node)
+    node.set_defaults(func=cmd_tp_node)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     try:

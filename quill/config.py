@@ -67,6 +67,12 @@ class EngineConfig:
     # Seconds a tensor-parallel collective may wait for a rank before the engine gives up on it
     # (a rank that dies is seen at once; this bounds one that hangs). Above any CPU step.
     distributed_timeout: float = 60.0
+    # Hosts the ranks spread over, this host's index (0: the engine's, with rank 0), and where
+    # rank 0 listens for the others (a free local port when all ranks are on this host).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -102,6 +108,17 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_timeout must be positive seconds, got {self.distributed_timeout}"
             )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}"
+            )
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} does not divide among "
+                f"{self.nnodes} nodes"
+            )
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several nodes need master_port (rank 0's, the same on every node)")
         if self.tensor_parallel_size > 1 and self.compile:
             raise ValueError("compile is not supported with tensor_parallel_size > 1")
         if self.max_ttft_slo is not None and not self.predict_ttft:

@@ -7,6 +7,7 @@ without importing the command dispatcher that imports them.
 from __future__ import annotations
 
 import argparse
+import os
 
 from quill.argtypes import checked, positive, rate
 from quill.config import KV_CACHE_DTYPES, QUANTIZATIONS, SchedulingPolicy
@@ -25,6 +26,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="split every layer over N ranks (processes; torch.distributed, gloo on the CPU)",
+    )
+    parser.add_argument(
+        "--nnodes", type=int, default=1, help="hosts the ranks spread over (default 1)"
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this host's index: 0 serves (with rank 0), the others run `quill tp-node`",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        help="rank 0's host, as the other hosts reach it (default $MASTER_ADDR or 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None,
+        help="rank 0's port for the group (default $MASTER_PORT; one host: a free port)",
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile (slow start)")
     parser.add_argument(
@@ -132,6 +153,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_ttft_slo=None if args.max_ttft_slo is None else args.max_ttft_slo / 1000,
         predict_ttft=args.predict_ttft,
         tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         cost_accounting=args.cost_accounting,
     )
 

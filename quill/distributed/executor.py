@@ -1,10 +1,12 @@
 """Rank 0's executor: every step plan to every rank, its own slice of the pass, the sampling.
 
-`start_tensor_parallel` checks that the model splits, starts ranks 1..N-1 (torch.multiprocessing,
-spawn: fresh interpreters), joins them in one process group and builds rank 0's slice beside
-them. Each step rank 0 broadcasts the plan (bytes of quill.contract.codec, the same message
-the engine process speaks) and all ranks run the layers; only rank 0 maps its rows to logits
-and samples, so what it returns is what a single rank would.
+`start_tensor_parallel` checks that the model splits, starts this host's other ranks
+(torch.multiprocessing, spawn: fresh interpreters), joins them in one process group and builds
+rank 0's slice beside them; on other hosts `quill tp-node` (`run_node`) starts theirs, which
+join the same group at rank 0's address. Each step rank 0 broadcasts the plan (bytes of
+quill.contract.codec, the same message the engine process speaks) and all ranks run the layers;
+only rank 0 maps its rows to logits and samples, so what it returns is what a single rank
+would.
 
 Failure: a rank that exits is seen before the next step (its process's sentinel) or at the
 first collective that needs it (its sockets close); one that hangs, when a collective times out
@@ -95,39 +97,71 @@ class TensorParallelExecutor:
         torch.set_num_threads(self._threads)
 
 
-def start_tensor_parallel(config: EngineConfig):
-    """Start ranks 1..N-1, join them as rank 0, build rank 0's slice: the ModelExecutor of the
-    group (its runner a TensorParallelExecutor)."""
-    from quill.distributed.shard import check_tensor_parallel
-    from quill.model.factory import build_model_executor, model_path_of
-    from quill.model.loader import read_model_config, resolve_device
+# What every rank must be started with alike (a host's own paths and its place may differ).
+_SHARED_OPTIONS = ("dtype", "kv_cache_dtype", "quantization", "load_format", "block_size",
+                   "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                   "seed", "tensor_parallel_size", "nnodes")  # fmt: skip
 
-    size = config.tensor_parallel_size
-    check_tensor_parallel(read_model_config(model_path_of(config), config.load_format), size)
-    device = resolve_device(config.device)
-    address = f"127.0.0.1:{free_port()}"
+
+def node_ranks(config: EngineConfig) -> range:
+    """The global ranks that run on this host (node `node_rank` of `nnodes`)."""
+    per_node = config.tensor_parallel_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+
+
+def _spawn(config: EngineConfig, ranks, address: str) -> tuple[list, object]:
     context = torch.multiprocessing.get_context("spawn")
     options = dataclasses.asdict(config)
     level = logging.getLogger("quill").getEffectiveLevel()
-    threads = torch.get_num_threads()
     started = context.Queue()
     processes = []
-    for rank in range(1, size):
+    for rank in ranks:
         proc = context.Process(
             target=run_rank,
-            args=(rank, size, address, options, os.getpid(), level, started),
+            args=(rank, address, options, os.getpid(), level, started),
             name=f"quill-tp-rank-{rank}",
             daemon=True,
         )
         proc.start()
         processes.append(proc)
-    log.info("tensor parallel: %d ranks (rank 0 here, pids %s)", size, [p.pid for p in processes])
+    return processes, started
+
+
+def _address(config: EngineConfig) -> str:
+    return f"{config.master_addr}:{config.master_port or free_port()}"
+
+
+def start_tensor_parallel(config: EngineConfig):
+    """Start this host's other ranks, join the group as rank 0, build rank 0's slice: the
+    ModelExecutor of the group (its runner a TensorParallelExecutor). With several hosts,
+    the others run `quill tp-node` (run_node) with the same flags."""
+    from quill.distributed.shard import check_tensor_parallel
+    from quill.model.factory import build_model_executor, model_path_of
+    from quill.model.loader import read_model_config, resolve_device
+
+    size = config.tensor_parallel_size
+    if config.node_rank != 0:
+        raise ValueError("the engine runs on node 0; the other nodes run `quill tp-node`")
+    check_tensor_parallel(read_model_config(model_path_of(config), config.load_format), size)
+    device = resolve_device(config.device)
+    address = _address(config)
+    threads = torch.get_num_threads()
+    processes, started = _spawn(config, node_ranks(config)[1:], address)
+    log.info(
+        "tensor parallel: %d ranks over %d node(s), group at %s (rank 0 here; this host's other "
+        "ranks: pids %s)",
+        size,
+        config.nnodes,
+        address,
+        [p.pid for p in processes],
+    )
     tp = None
     try:
         _wait_started(processes, started)
         if device.type == "cuda":
             device = torch.device("cuda", 0)
-        tp = join_group(0, size, address, device, config.distributed_timeout)
+        tp = join_group(0, size, address, device, config.distributed_timeout, len(processes) + 1)
+        _agree_on_options(tp, config)
         built = build_model_executor(config, tp)
     except BaseException:
         for proc in processes:
@@ -140,17 +174,60 @@ def start_tensor_parallel(config: EngineConfig):
     return built
 
 
-def _wait_started(processes: list, started) -> None:
+def run_node(config: EngineConfig) -> int:
+    """`quill tp-node`: run this host's ranks of a group whose rank 0 is on node 0, until they
+    end; 1 if any failed."""
+    from quill.distributed.shard import check_tensor_parallel
+    from quill.model.factory import model_path_of
+    from quill.model.loader import read_model_config
+
+    if config.node_rank == 0:
+        raise ValueError("node 0 runs the engine (`quill serve`); tp-node is for the others")
+    check_tensor_parallel(
+        read_model_config(model_path_of(config), config.load_format), config.tensor_parallel_size
+    )
+    ranks = node_ranks(config)
+    processes, started = _spawn(config, ranks, _address(config))
+    log.info("tp-node %d: ranks %s joining %s", config.node_rank, list(ranks), _address(config))
+    try:
+        _wait_started(processes, started, first_rank=ranks.start)
+        while processes:
+            from multiprocessing.connection import wait
+
+            wait([p.sentinel for p in processes])
+            for proc in [p for p in processes if not p.is_alive()]:
+                processes.remove(proc)
+                if proc.exitcode != 0:
+                    log.error("%s exited with code %s", proc.name, proc.exitcode)
+                    return 1
+        return 0
+    finally:
+        for proc in processes:
+            proc.kill()
+
+
+def _agree_on_options(tp: TensorParallel, config: EngineConfig) -> None:
+    """Every rank must cut and size the model alike: rank 0's options, checked on each."""
+    import json
+
+    mine = {name: getattr(config, name) for name in _SHARED_OPTIONS}
+    theirs = json.loads(tp.broadcast_bytes(json.dumps(mine).encode() if tp.is_driver else None))
+    differ = [f"{k}: {v!r} here, {theirs[k]!r} at 0" for k, v in mine.items() if v != theirs[k]]
+    if differ:
+        raise ValueError(f"rank {tp.rank} was started with other options: {'; '.join(differ)}")
+
+
+def _wait_started(processes: list, started, first_rank: int = 1) -> None:
     """Until every rank has started (so rank 0 does not wait out the group's timeout for one
     that died on its way in)."""
     import queue
 
-    waiting = set(range(1, len(processes) + 1))
+    waiting = {first_rank + i for i in range(len(processes))}
     while waiting:
         try:
             waiting.discard(started.get(timeout=0.2))
         except queue.Empty:
-            for rank, proc in enumerate(processes, start=1):
+            for rank, proc in enumerate(processes, start=first_rank):
                 if not proc.is_alive():
                     raise ExecutorFailedError(
                         f"tensor-parallel rank {rank} exited with code {proc.exitcode} while "
@@ -160,9 +237,7 @@ def _wait_started(processes: list, started) -> None:
                     ) from None
 
 
-def run_rank(
-    rank: int, size: int, address: str, options: dict, parent_pid: int, level: int, started
-) -> None:
+def run_rank(rank: int, address: str, options: dict, parent_pid: int, level: int, started) -> None:
     """A rank's life: join the group, build its slice, run every plan rank 0 sends."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"%(levelname)s %(name)s (rank {rank}): %(message)s"))
@@ -175,14 +250,17 @@ def run_rank(
     from quill.model.loader import resolve_device
 
     config = EngineConfig(**options)
+    local = node_ranks(config)
     device = resolve_device(config.device)
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank - local.start)
         torch.cuda.set_device(device)
         config = dataclasses.replace(config, device=str(device))
     started.put(rank)
-    tp = join_group(rank, size, address, device, config.distributed_timeout)
+    size = config.tensor_parallel_size
+    tp = join_group(rank, size, address, device, config.distributed_timeout, len(local))
     try:
+        _agree_on_options(tp, config)
         runner = build_model_executor(config, tp).runner
         runner.computes_logits = False
         codec = Codec()

@@ -21,6 +21,7 @@ class TensorParallel:
 
     rank: int
     size: int
+    local_size: int = 1  # the ranks on this host, which share its cores and memory
     group: object = field(default=None, repr=False)
     control: object = field(default=None, repr=False)
 
@@ -66,7 +67,7 @@ def free_port() -> int:
 
 
 def join_group(
-    rank: int, size: int, address: str, device: torch.device, timeout_s: float
+    rank: int, size: int, address: str, device: torch.device, timeout_s: float, local_size: int
 ) -> TensorParallel:
     """Initialise torch.distributed for this rank (`address`: host:port of rank 0's store).
     A collective that waits longer than `timeout_s` raises, so a rank that hangs is seen in
@@ -86,4 +87,4 @@ def join_group(
     group = dist.group.WORLD
     # Plans are bytes on the host: on CUDA they travel over a gloo group beside NCCL's.
     control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else group
-    return TensorParallel(rank, size, group, control)
+    return TensorParallel(rank, size, local_size, group, control)

@@ -33,7 +33,9 @@ class ModelExecutor:
     """A loaded model ready to execute plans, with what the engine must know about it."""
 
     runner: ModelRunner
-    tokenizer: Tokenizer  # loaded here for the end-of-text ids; the front end loads its own
+    # Loaded here for the end-of-text ids (the front end loads its own); None on the
+    # tensor-parallel ranks past 0.
+    tokenizer: Tokenizer | None
     tokenizer_source: Path
     model_config: ModelConfig
     hf_config: dict
@@ -56,7 +58,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         return start_tensor_parallel(config)
     device = resolve_device(config.device)
     if device.type == "cpu":
-        _set_cpu_threads(tp.size if tp is not None else 1)
+        _set_cpu_threads(tp.local_size if tp is not None else 1)
     dtype = resolve_dtype(config.dtype, device)
     model_path = model_path_of(config)
     loaded = load_model(model_path, config.load_format, dtype, device)
@@ -68,8 +70,10 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         blocks = {}  # each rank quantizes its own slices from the floats
     _quantize(loaded.model, config.quantization, device, blocks)
     tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source
-    declared_ends = loaded.config.eos_token_ids + generation_config_eos_ids(loaded.source)
-    tokenizer = Tokenizer.load(tok_source, declared_ends)
+    tokenizer = None  # ranks past 0 neither sample nor hold back end tokens
+    if tp is None or tp.is_driver:
+        declared_ends = loaded.config.eos_token_ids + generation_config_eos_ids(loaded.source)
+        tokenizer = Tokenizer.load(tok_source, declared_ends)
     ctx = loaded.config.max_position_embeddings
     max_model_len = min(config.max_model_len or ctx, ctx)
     budget = config.max_num_batched_tokens or (512 if device.type == "cpu" else 8192)
@@ -80,7 +84,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         dtype,
         config.block_size,
         config.seed,
-        tokenizer.eos_token_ids,
+        tokenizer.eos_token_ids if tokenizer is not None else (),
         kv_cache_dtype,
     )
     num_blocks = _num_kv_blocks(config, runner, device, max_model_len, tp)
@@ -188,7 +192,7 @@ def _num_kv_blocks(
     """Blocks in the pool: rank 0's count for every rank (the scheduler knows one pool)."""
     per_block = runner.kv_bytes_per_block()
     if tp is not None and device.type == "cpu":
-        per_block *= tp.size  # the ranks on this host share its memory
+        per_block *= tp.local_size  # the ranks on this host share its memory
     num_blocks = _blocks_for(config, per_block, device, max_model_len)
     return num_blocks if tp is None else tp.broadcast_int(num_blocks)
 
