@@ -188,7 +188,7 @@ def tiny_calibration(tmp_path_factory, model_dir):
                 *("--dtype", "float32", "--device", "cpu", "--threads", "1", "--quick"),
                 *("--max-batch", "3", "--max-context", "40", "--max-chunk", "24"),
                 *("--steps", "2", "--warmup", "0", "--no-progress"),
-                *("--out", str(out), "--save-steps", str(steps)),
+                *("--out", str(out), "--save-steps", str(steps), "--tp-sizes", "2"),
             ]
         )
     finally:
@@ -212,6 +212,13 @@ def test_calibrate_writes_a_hardware_file_that_loads(tiny_calibration):
     assert spec.step_overhead_s >= 0
     assert isinstance(spec.calibration["cpu_flags"], list) and spec.calibration["cpu_model"]
     assert spec.calibration["date"]
+    # The all-reduce among 2 ranks on this host: a median time per payload (the tiny model's
+    # 64 floats per token, 1 to 512 tokens), and the line through them.
+    allreduce = spec.host_allreduce["2"]
+    assert [p[0] for p in allreduce["points"]] == [64 * 4 * n for n in (1, 4, 16, 64, 256, 512)]
+    assert all(0 < t < 1 for _, t in allreduce["points"])
+    assert allreduce["latency_s"] >= 0 and allreduce["bandwidth"] > 0
+    assert spec.allreduce_on_host(2) == (allreduce["latency_s"], allreduce["bandwidth"])
 
 
 def test_sweep_steps_have_the_shapes_asked_for(tiny_calibration):

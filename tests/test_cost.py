@@ -135,7 +135,7 @@ def test_tensor_parallel_halves_weights_and_pays_all_reduces():
 
 def test_tensor_parallel_refusals():
     llama = ModelSpec.preset("Llama-3-8B")
-    with pytest.raises(ValueError, match="tp=3 does not divide the model's 32 attention heads"):
+    with pytest.raises(ValueError, match="its 32 query heads do not divide among 3 ranks"):
         CostModel(llama, HardwareSpec.preset("H100"), tp=3)
     with pytest.raises(ValueError, match="interconnect bandwidth"):
         CostModel(llama, SLOW, tp=2)
@@ -143,6 +143,26 @@ def test_tensor_parallel_refusals():
         CostModel(ABSTRACT, HardwareSpec.preset("H100"), tp=2)
     with pytest.raises(ValueError, match="tp must be"):
         CostModel(llama, SLOW, tp=0)
+
+
+def test_ranks_on_one_host_share_it_and_pay_the_measured_all_reduces():
+    """SmolLM2-135M at tp=3 on a host whose 3-rank all-reduce measured 100 us + bytes at
+    1 GB/s: the ranks split the work and the host's rates alike, so compute and movement are
+    the one-rank figures; each of the 2 x 30 all-reduces of a pass carries num_tokens x 576
+    bf16 values (2 bytes each). A decode of 4: 60 x 100 us + 60 x 4 x 576 x 2 B / 1 GB/s."""
+    host = dataclasses.replace(
+        SLOW, host_allreduce={"3": {"latency_s": 1e-4, "bandwidth": 1e9, "points": []}}
+    )
+    one = CostModel(SMOL, host).price(BatchShape.decodes(4, 99))
+    three = CostModel(SMOL, host, tp=3).price(BatchShape.decodes(4, 99))
+    assert three.arithmetic_s == pytest.approx(one.arithmetic_s)
+    assert three.movement_s == pytest.approx(one.movement_s)
+    assert three.communication_s == pytest.approx(60 * 1e-4 + 60 * 4 * 576 * 2 / 1e9)
+    assert three.predicted_s == pytest.approx(one.predicted_s + 0.006 + 0.00027648)
+    with pytest.raises(ValueError, match="measured all-reduce of 2 ranks"):
+        CostModel(ModelSpec.preset("Llama-3-8B"), host, tp=2)  # measured for 3 ranks only
+    with pytest.raises(ValueError, match="host_allreduce keys"):
+        dataclasses.replace(SLOW, host_allreduce={"1": {"latency_s": 0, "bandwidth": 1}})
 
 
 CALIBRATION = {

@@ -345,7 +345,7 @@ def test_capacity_meets_the_slo_and_a_higher_rate_does_not(capsys):
         (["--disaggregate", "2"], "P:D"),
         (["--capacity"], "--capacity needs --slo"),
         (["--prompt-tokens", "9000"], "context of 8192"),
-        (["--tp", "4", "--model", "SmolLM2-135M"], "does not divide"),
+        (["--tp", "4", "--model", "SmolLM2-135M"], "query heads do not divide"),
         (["--kv-cache-memory", "1KiB"], "holds no block"),
         (["--prefix-tokens", "0"], "--prefix-tokens must be at least 1"),
         (["--prefix-tokens", "9", "--num-prefixes", "0"], "--num-prefixes must be at least 1"),

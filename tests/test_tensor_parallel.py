@@ -189,6 +189,8 @@ def test_two_nodes_on_one_host_match_one_rank(tmp_path, model_dir):
     _assert_same(got, want)
 
     flags[flags.index("32MiB")] = "16MiB"  # a node that would size its pool otherwise
+    port = free_port()  # a fresh group
+    flags[flags.index("--master-port") + 1] = str(port)
     node = subprocess.Popen(
         [sys.executable, "-m", "quill.cli", "tp-node", path, *flags, "--node-rank", "1"],
         stdout=subprocess.PIPE,

@@ -207,6 +207,17 @@ def matmul_rates(measured: dict | None, model: ModelSpec) -> dict | None:
     return out if layers else None
 
 
+def _tp_sizes(text: str | None) -> list[int]:
+    if text is None:
+        return [2, 3] + ([4] if len(os.sched_getaffinity(0)) >= 4 else [])
+    if text.strip().lower() == "none":
+        return []
+    sizes = [int(part) for part in text.split(",") if part.strip()]
+    if any(n < 2 for n in sizes):
+        raise ValueError(f"--tp-sizes are rank counts of 2 or more, got {text!r}")
+    return sizes
+
+
 def _default(value: int | None, default: int) -> int:
     return default if value is None else value
 
@@ -282,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of a sweep, keeping the rates of --base: what a step costs while serving",
     )
     p.add_argument("--base", metavar="FILE", help="the hardware file --from-steps starts from")
+    p.add_argument(
+        "--tp-sizes",
+        default=None,
+        metavar="N,N",
+        help="tensor-parallel sizes whose all-reduce to measure among ranks on this host "
+        "(default 2 and 3, and 4 with 4 cores or more; 'none' for none)",
+    )
     return p
 
 
@@ -331,6 +349,18 @@ def _main(args: argparse.Namespace) -> int:
     )
     steps = Sweep(engine).run(cases, "engine steps", progress=not args.no_progress)
     spec = fit_spec(engine, steps, peaks, args.name)
+    sizes = _tp_sizes(args.tp_sizes)
+    if sizes:
+        from quill.distributed.allreduce import measure_allreduce
+
+        print(f"all-reduce among {', '.join(map(str, sizes))} ranks on this host (gloo) ...")
+        table = measure_allreduce(sizes, model.hidden_size, engine.dtype)
+        spec = replace(spec, host_allreduce=table)
+        for size, entry in table.items():
+            print(
+                f"  {size} ranks: {entry['latency_s'] * 1e6:.0f} us + bytes at "
+                f"{entry['bandwidth'] / 1e9:.2f} GB/s"
+            )
     out = Path(args.out) if args.out else default_out(dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     spec.save(out)

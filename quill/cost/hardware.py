@@ -78,6 +78,10 @@ class HardwareSpec:
     # {"layers": [[tokens, FLOP/s], ...], "lm_head": [...]}. A CPU's GEMM runs 2-8 rows barely
     # faster than one, so a single rate cannot price both a batch of 4 and a 512-token chunk.
     matmul_rates: dict | None = None
+    # All-reduces among N tensor-parallel ranks on this one host, measured by `quill cost
+    # calibrate`: {"N": {"latency_s": s, "bandwidth": bytes/s, ...}}. With an entry for its
+    # size, the cost model runs the ranks on this host, sharing its cores and memory.
+    host_allreduce: dict | None = None
     # Set by __post_init__: the calibration's coefficients only, extra keys dropped.
     coefficients: dict[str, float] | None = field(default=None, init=False, repr=False)
 
@@ -109,6 +113,14 @@ class HardwareSpec:
             self.coefficients = _check_calibration(self.calibration)
         if self.matmul_rates is not None:
             self.matmul_rates = _check_matmul_rates(self.matmul_rates)
+        if self.host_allreduce is not None:
+            self.host_allreduce = _check_host_allreduce(self.host_allreduce)
+
+    def allreduce_on_host(self, tp: int) -> tuple[float, float] | None:
+        """(latency s, bandwidth bytes/s) of an all-reduce among `tp` ranks on this host, if
+        measured."""
+        entry = (self.host_allreduce or {}).get(str(tp))
+        return None if entry is None else (entry["latency_s"], entry["bandwidth"])
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for arithmetic in `dtype`."""
@@ -143,6 +155,7 @@ class HardwareSpec:
             raise ValueError(f"a hardware spec is a JSON object, got {type(d).__name__}")
         known = {"name", "flops", "memory_bandwidth", "memory_capacity", "interconnect_bandwidth"}
         known |= {"step_overhead_s", "price_per_hour", "calibration", "notes", "matmul_rates"}
+        known |= {"host_allreduce"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown hardware spec keys {unknown}; known: {sorted(known)}")
@@ -182,6 +195,23 @@ class HardwareSpec:
         raise ValueError(
             f"unknown hardware {text!r}: not a preset ({', '.join(PRESETS)}) nor a JSON file"
         )
+
+
+def _check_host_allreduce(table: dict) -> dict:
+    if not isinstance(table, dict):
+        raise ValueError(f"host_allreduce must be an object, got {type(table).__name__}")
+    out = {}
+    for size, entry in table.items():
+        if not str(size).isdigit() or int(size) < 2:
+            raise ValueError(f"host_allreduce keys are rank counts of 2 or more, got {size!r}")
+        if not isinstance(entry, dict) or "latency_s" not in entry or "bandwidth" not in entry:
+            raise ValueError(f"host_allreduce[{size!r}] needs latency_s and bandwidth")
+        latency = float(entry["latency_s"])
+        if not math.isfinite(latency) or latency < 0:
+            raise ValueError(f"host_allreduce[{size!r}].latency_s must be >= 0, got {latency!r}")
+        bandwidth = _check_rate(f"host_allreduce[{size!r}].bandwidth", entry["bandwidth"])
+        out[str(int(size))] = {**entry, "latency_s": latency, "bandwidth": bandwidth}
+    return out
 
 
 def _check_calibration(calibration: dict) -> dict[str, float]:

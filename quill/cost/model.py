@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.cost.hardware import canonical_dtype
-from quill.model.config import ModelConfig
+from quill.model.config import ModelConfig, tensor_parallel_problems
 
 _DTYPE_BY_BYTES = {4: "float32", 2: "bfloat16", 1: "int8"}
 _BYTES_BY_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
@@ -271,9 +271,10 @@ class ModelSpec:
                 "tensor parallelism needs the model's architecture (hidden size, heads) to price "
                 "its all-reduces; give a model, not just a parameter count"
             )
-        for what, count in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads)):
-            if count % tp:
-                raise ValueError(f"tp={tp} does not divide the model's {count} {what}")
+        inter = self.intermediate_size or 0
+        problems = tensor_parallel_problems(self.num_heads, self.num_kv_heads, inter, tp)
+        if problems:
+            raise ValueError(f"tp={tp} cannot split the model: {'; '.join(problems)}")
 
 
 # Hugging Face config.json figures of the presets (the fields the cost model reads).

@@ -62,35 +62,53 @@ class CostModel:
     Per device, weights, FLOPs and KV bytes divide by tp. Each layer then all-reduces its
     attention output and its MLP output (num_tokens * hidden activations each); a ring
     all-reduce sends 2*(tp-1)/tp of that payload from every device over the interconnect.
+
+    When the hardware carries a measured all-reduce for tp ranks on one host (`host_allreduce`,
+    from `quill cost calibrate`), the tp ranks run on that one host instead: they share its
+    cores and memory, so a rank's 1/tp of the work at 1/tp of the rates takes what the whole
+    pass takes on one rank, and each all-reduce costs its measured latency + bytes/bandwidth.
     """
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tp: int = 1) -> None:
         model.check_tensor_parallel(tp)
-        if tp > 1 and hardware.interconnect_bandwidth is None:
+        host = hardware.allreduce_on_host(tp) if tp > 1 else None
+        if tp > 1 and host is None and hardware.interconnect_bandwidth is None:
             raise ValueError(
-                f"tp={tp} needs the interconnect bandwidth of {hardware.name}, which it lacks"
+                f"tp={tp} needs the interconnect bandwidth of {hardware.name}, or a measured "
+                f"all-reduce of {tp} ranks on it (`quill cost calibrate`), which it lacks"
             )
         self.model = model
         self.hardware = hardware
         self.tp = tp
+        self.shares_host = host is not None
+        split = 1 if self.shares_host else tp  # what a device's share of the work is
         self.peak_flops = hardware.flops_for(model.dtype)
         act = model.activation_bytes_per_element
-        per_token, per_sampled = model.activation_elements_per_token(tp)
+        per_token, per_sampled = model.activation_elements_per_token(split)
         if model.is_abstract:
-            self._linear_per_token = 2 * model.num_params / tp
+            self._linear_per_token = 2 * model.num_params / split
             self._linear_per_sampled = 0
         else:
-            self._linear_per_token = 2 * model.linear_params / tp
-            self._linear_per_sampled = 2 * model.hidden_size * model.vocab_size / tp
-        self._attention_per_pair = model.attention_flops(1) / tp
-        self._kv_per_token = model.kv_bytes_per_token / tp
+            self._linear_per_token = 2 * model.linear_params / split
+            self._linear_per_sampled = 2 * model.hidden_size * model.vocab_size / split
+        self._attention_per_pair = model.attention_flops(1) / split
+        # Past the KV head count each rank keeps one KV head (replicated), not 1/tp of them.
+        kv_split = split if model.is_abstract else min(split, model.num_kv_heads)
+        self._kv_per_token = model.kv_bytes_per_token / kv_split
         self._act_per_token = act * per_token
         self._act_per_sampled = act * per_sampled
-        self.weight_bytes = model.weight_bytes / tp
+        self.weight_bytes = model.weight_bytes / split
+        self._comm_fixed_s = 0.0  # per pass, whatever its size
         if tp > 1:
             payload = 2 * model.num_layers * model.hidden_size * act  # per token, per pass
-            self._comm_per_token = payload * 2 * (tp - 1) / tp
-            self._inv_interconnect = 1.0 / hardware.interconnect_bandwidth
+            if host is not None:
+                latency, bandwidth = host
+                self._comm_per_token = payload  # measured against the payload itself
+                self._inv_interconnect = 1.0 / bandwidth
+                self._comm_fixed_s = 2 * model.num_layers * latency
+            else:
+                self._comm_per_token = payload * 2 * (tp - 1) / tp
+                self._inv_interconnect = 1.0 / hardware.interconnect_bandwidth
         else:
             self._comm_per_token = 0
             self._inv_interconnect = 0.0
@@ -136,7 +154,7 @@ class CostModel:
         comm = self._comm_per_token * n
         arithmetic_s = (linear + attention) * self._inv_flops
         movement_s = (self.weight_bytes + kv_read + kv_write + act) * self._inv_bandwidth
-        communication_s = comm * self._inv_interconnect
+        communication_s = comm * self._inv_interconnect + self._comm_fixed_s
         if arithmetic_s > movement_s:
             roofline_s, bound = arithmetic_s + communication_s, "arithmetic"
         else:
@@ -180,7 +198,7 @@ class CostModel:
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
         capacity = self.hardware.memory_capacity
-        stored = self.model.stored_bytes / self.tp
+        stored = self.model.stored_bytes / (1 if self.shares_host else self.tp)
         room = capacity * memory_fraction - stored
         if room <= 0:
             raise ValueError(

@@ -18,7 +18,7 @@ from torch import nn
 
 from quill.contract.errors import ModelLoadError
 from quill.distributed.group import TensorParallel
-from quill.model.config import ModelConfig
+from quill.model.config import ModelConfig, tensor_parallel_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,35 +48,14 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Raise ModelLoadError, naming the numbers, unless `size` ranks can split this model."""
     if size < 1:
         raise ModelLoadError(f"tensor_parallel_size must be at least 1, got {size}")
-    if size == 1:
-        return
-    problems = []
-    if config.num_heads % size:
-        problems.append(f"its {config.num_heads} query heads do not divide among {size} ranks")
-    kv = config.num_kv_heads
-    if size <= kv and kv % size:
-        problems.append(f"its {kv} KV heads do not divide among {size} ranks")
-    if size > kv and size % kv:
-        problems.append(
-            f"{size} ranks are more than its {kv} KV heads but not a multiple of them (to "
-            "replicate each)"
-        )
-    if config.intermediate_size % size:
-        problems.append(
-            f"its MLP width {config.intermediate_size} does not divide among {size} ranks"
-        )
+    shape = (config.num_heads, config.num_kv_heads, config.intermediate_size)
+    problems = tensor_parallel_problems(*shape, size)
     if problems:
-        sizes = [n for n in range(1, config.num_heads + 1) if _divides(config, n)]
+        can = [n for n in range(1, config.num_heads + 1) if not tensor_parallel_problems(*shape, n)]
         raise ModelLoadError(
             f"tensor_parallel_size {size} cannot split this model: {'; '.join(problems)} "
-            f"(sizes that can: {', '.join(map(str, sizes))})"
+            f"(sizes that can: {', '.join(map(str, can))})"
         )
-
-
-def _divides(config: ModelConfig, size: int) -> bool:
-    kv = config.num_kv_heads
-    kv_ok = kv % size == 0 if size <= kv else size % kv == 0
-    return config.num_heads % size == 0 and kv_ok and config.intermediate_size % size == 0
 
 
 def shard_model(model: nn.Module, tp: TensorParallel) -> ModelConfig:

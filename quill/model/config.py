@@ -79,6 +79,27 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
+def tensor_parallel_problems(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, size: int
+) -> list[str]:
+    """Why `size` ranks cannot split a model of this shape (empty: they can). Query heads
+    and the MLP's width must divide; KV heads must divide, or, when the ranks outnumber them,
+    the ranks must be a multiple of them (each KV head is then kept by several ranks)."""
+    problems = []
+    if num_heads % size:
+        problems.append(f"its {num_heads} query heads do not divide among {size} ranks")
+    if size <= num_kv_heads and num_kv_heads % size:
+        problems.append(f"its {num_kv_heads} KV heads do not divide among {size} ranks")
+    if size > num_kv_heads and size % num_kv_heads:
+        problems.append(
+            f"{size} ranks are more than its {num_kv_heads} KV heads but not a multiple of them "
+            "(to replicate each)"
+        )
+    if intermediate_size % size:
+        problems.append(f"its MLP width {intermediate_size} does not divide among {size} ranks")
+    return problems
+
+
 def as_id_list(value) -> list[int]:
     """A config's token id field (absent, one id, or a list) as a list."""
     if value is None:

@@ -56,7 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="preset (H100-SXM, H200, A100-80GB-SXM, L40S) "
         "or a hardware JSON such as `quill cost calibrate` writes",
     )
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per replica")
+    parser.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per replica (on a hardware file with a measured all-reduce "
+        "for this many ranks, they share that one host, as `quill serve -tp` runs them)",
+    )
     parser.add_argument("--replicas", type=int, default=1, help="colocated replicas")
     parser.add_argument(
         "--router",
