@@ -29,7 +29,7 @@ def test_gguf_weights_match_transformers_gguf_loader():
         assert torch.equal(ours[name], ref[name].float()), name
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral", "head_dim_48"])
 def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
     import transformers
 
@@ -59,9 +59,12 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
-    else:
+    elif kind == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=None)
         cls = transformers.MistralForCausalLM
+    else:  # rotary half-rows of 24: not the native layer's 16-lane multiple, so the op path
+        config = transformers.LlamaConfig(**common, head_dim=48)
+        cls = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     ref = cls(config).eval()
     with torch.no_grad():  # larger random weights so greedy paths are not all the same token
@@ -95,6 +98,28 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
                 pad_token_id=0,
             )
         assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist(), kind
+
+
+def test_a_head_dim_the_fused_native_layer_cannot_take_runs_on_the_op_path(tmp_path, model_dir):
+    """head_dim 48: rotary half-rows of 24 lanes, which quill::decoder_stack's rope cannot
+    take (16-lane multiples); int8 weights would otherwise qualify every layer for it."""
+    import json
+
+    from quill.model.default_model import default_model_dir
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6, head_dim=48)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(
+        str(tmp_path),
+        load_format="dummy",
+        tokenizer=str(default_model_dir()),
+        quantization="int8",
+        kv_cache_memory=16 << 20,
+    )
+    assert llm.engine.worker.runner.model.layers[0]._native_weights() is None
+    out = llm.generate([[5, 17, 300]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
 
 
 def test_llama3_rope_frequencies_match_transformers():

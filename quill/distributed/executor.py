@@ -18,10 +18,13 @@ the remaining ranks exit when rank 0's sockets close or its process is gone.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import queue
 import threading
 import time
+from multiprocessing.connection import wait
 
 import torch
 
@@ -30,6 +33,9 @@ from quill.contract.codec import Codec
 from quill.contract.errors import ExecutorFailedError
 from quill.contract.plan import StepPlan, StepResult
 from quill.distributed.group import TensorParallel, free_port, join_group
+from quill.distributed.shard import check_tensor_parallel
+from quill.model.factory import build_model_executor, model_path_of
+from quill.model.loader import read_model_config, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -135,9 +141,6 @@ def start_tensor_parallel(config: EngineConfig):
     """Start this host's other ranks, join the group as rank 0, build rank 0's slice: the
     ModelExecutor of the group (its runner a TensorParallelExecutor). With several hosts,
     the others run `quill tp-node` (run_node) with the same flags."""
-    from quill.distributed.shard import check_tensor_parallel
-    from quill.model.factory import build_model_executor, model_path_of
-    from quill.model.loader import read_model_config, resolve_device
 
     size = config.tensor_parallel_size
     if config.node_rank != 0:
@@ -177,9 +180,6 @@ def start_tensor_parallel(config: EngineConfig):
 def run_node(config: EngineConfig) -> int:
     """`quill tp-node`: run this host's ranks of a group whose rank 0 is on node 0, until they
     end; 1 if any failed."""
-    from quill.distributed.shard import check_tensor_parallel
-    from quill.model.factory import model_path_of
-    from quill.model.loader import read_model_config
 
     if config.node_rank == 0:
         raise ValueError("node 0 runs the engine (`quill serve`); tp-node is for the others")
@@ -192,8 +192,6 @@ def run_node(config: EngineConfig) -> int:
     try:
         _wait_started(processes, started, first_rank=ranks.start)
         while processes:
-            from multiprocessing.connection import wait
-
             wait([p.sentinel for p in processes])
             for proc in [p for p in processes if not p.is_alive()]:
                 processes.remove(proc)
@@ -208,8 +206,6 @@ def run_node(config: EngineConfig) -> int:
 
 def _agree_on_options(tp: TensorParallel, config: EngineConfig) -> None:
     """Every rank must cut and size the model alike: rank 0's options, checked on each."""
-    import json
-
     mine = {name: getattr(config, name) for name in _SHARED_OPTIONS}
     theirs = json.loads(tp.broadcast_bytes(json.dumps(mine).encode() if tp.is_driver else None))
     differ = [f"{k}: {v!r} here, {theirs[k]!r} at 0" for k, v in mine.items() if v != theirs[k]]
@@ -220,8 +216,6 @@ def _agree_on_options(tp: TensorParallel, config: EngineConfig) -> None:
 def _wait_started(processes: list, started, first_rank: int = 1) -> None:
     """Until every rank has started (so rank 0 does not wait out the group's timeout for one
     that died on its way in)."""
-    import queue
-
     waiting = {first_rank + i for i in range(len(processes))}
     while waiting:
         try:
@@ -246,8 +240,6 @@ def run_rank(rank: int, address: str, options: dict, parent_pid: int, level: int
     logger.setLevel(max(level, logging.WARNING))  # rank 0 says what every rank does
     logger.propagate = False
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    from quill.model.factory import build_model_executor
-    from quill.model.loader import resolve_device
 
     config = EngineConfig(**options)
     local = node_ranks(config)

@@ -29,6 +29,12 @@ class TensorParallel:
     def is_driver(self) -> bool:
         return self.rank == 0
 
+    def shard(self, model) -> None:
+        """Cut a whole model down to this rank's slices (quill/distributed/shard.py)."""
+        from quill.distributed.shard import shard_model
+
+        shard_model(model, self)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
         dist.all_reduce(x, group=self.group)

@@ -12,13 +12,16 @@ quantizes its own slices.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from quill.contract.errors import ModelLoadError
-from quill.distributed.group import TensorParallel
 from quill.model.config import ModelConfig, tensor_parallel_problems
+
+if TYPE_CHECKING:
+    from quill.distributed.group import TensorParallel
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,10 +33,15 @@ class EngineWorker:
     """Continuous batching over a paged KV cache, on a real model; see the scheduler."""
 
     def __init__(self, config: EngineConfig, clock=None) -> None:
-        from quill.model.factory import build_model_executor  # torch lives behind this
-
         self.config = config
-        built = build_model_executor(config)
+        if config.tensor_parallel_size > 1:  # the ranks, rank 0 here (torch lives behind this)
+            from quill.distributed.executor import start_tensor_parallel
+
+            built = start_tensor_parallel(config)
+        else:
+            from quill.model.factory import build_model_executor
+
+            built = build_model_executor(config)
         self.built = built
         self.runner = built.runner
         kv = KVCacheManager(built.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -49,13 +49,8 @@ class ModelExecutor:
 
 
 def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
-    """The executor for `config`; with tensor_parallel_size > 1 it starts the other ranks
-    and runs rank 0 here. `tp` (quill.distributed.group.TensorParallel): build that rank's
-    slice only, as a rank does."""
-    if config.tensor_parallel_size > 1 and tp is None:
-        from quill.distributed.executor import start_tensor_parallel
-
-        return start_tensor_parallel(config)
+    """The executor for `config`. With `tp` (quill.distributed.group.TensorParallel, handed
+    in by that package, which starts the ranks) only that rank's slice of the model is kept."""
     device = resolve_device(config.device)
     if device.type == "cpu":
         _set_cpu_threads(tp.local_size if tp is not None else 1)
@@ -64,9 +59,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
     loaded = load_model(model_path, config.load_format, dtype, device)
     blocks = loaded.blocks
     if tp is not None:
-        from quill.distributed.shard import shard_model
-
-        shard_model(loaded.model, tp)
+        tp.shard(loaded.model)
         blocks = {}  # each rank quantizes its own slices from the floats
     _quantize(loaded.model, config.quantization, device, blocks)
     tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source

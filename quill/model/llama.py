@@ -156,6 +156,8 @@ def _native_layer_weights(layer: DecoderLayer) -> tuple | None:
 
     if layer.tp is not None:  # the fused layer has no place for the all-reduces
         return None
+    if (layer.head_dim // 2) % 16:  # its rotary embedding takes half-rows of 16 lanes
+        return None
     linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if any(m.bias is not None for m in linears) or not fused.use_native(norms[0]):
