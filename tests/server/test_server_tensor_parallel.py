@@ -22,7 +22,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 def test_tp3_serves_the_one_rank_text_and_a_killed_rank_stops_the_server(llm):
     want = [
         o.outputs[0].text
-        for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+        for o in llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
     ]
     served = ServeProcess(*TP3)
     try:
@@ -33,7 +33,7 @@ def test_tp3_serves_the_one_rank_text_and_a_killed_rank_stops_the_server(llm):
         ranks = [p for p in engine_children if "spawn_main" in " ".join(p.cmdline())]
         assert len(ranks) == 2, engine.children()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        resp = client.completions.create(model="smol", prompt=PROMPTS, max_tokens=24, temperature=0)
+        resp = client.completions.create(model="smol", prompt=PROMPTS, max_tokens=32, temperature=0)
         assert [c.text for c in resp.choices] == want
         rank = ranks[-1]
         with httpx.Client(base_url=url, timeout=60) as c:
