@@ -1,0 +1,158 @@
+"""One prefill/decode pair's KV link: a two-rank process group, a handshake, block transfers.
+
+The link is a gloo process group of its own (rank 0 the prefill instance, rank 1 the decode
+one) over a TCP store at the prefill side's address, not torch.distributed's default group, so
+one process can hold a link per peer beside a tensor-parallel group. On pairing both sides
+exchange their KV layout (model, dtypes, block size, layers, KV heads, head size, the cache's
+block shape) and refuse a mismatch, naming what differs, before any block moves: bytes of one
+layout read as another would be wrong tokens, not an error.
+
+A transfer sends the listed blocks of every layer's K and V cache as one tensor, after a
+header (the block count and the tokens they hold); the receiver writes them into blocks of its
+own pool, which need not have the same ids. Every wait is bounded by the link's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+PREFILL, DECODE = 0, 1
+
+
+class TransferError(RuntimeError):
+    """The link failed (the peer is gone or timed out) or was refused at the handshake."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What must agree for one side's KV blocks to mean the same on the other."""
+
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    k_block_shape: tuple[int, ...]  # one block of one layer's K cache
+    v_block_shape: tuple[int, ...]
+
+    @staticmethod
+    def of(runner, model_name: str) -> KVLayout:
+        """The layout of a ModelRunner's allocated cache."""
+        k, v = runner.kv_caches[0]
+        c = runner.config
+        return KVLayout(
+            model_name,
+            str(runner.dtype).removeprefix("torch."),
+            str(runner.kv_cache_dtype).removeprefix("torch."),
+            runner.block_size,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            tuple(k.shape[1:]),
+            tuple(v.shape[1:]),
+        )
+
+    def differences(self, other: KVLayout) -> list[str]:
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: {mine[k]!r} here, {theirs[k]!r} there" for k in mine if mine[k] != theirs[k]]
+
+
+class KVLink:
+    """The two-rank group of a prefill instance (`role` PREFILL, which hosts the store at
+    `host:port`) and a decode instance; `connect` blocks until both have joined and agreed."""
+
+    def __init__(self, role: int, host: str, port: int, layout: KVLayout, timeout_s: float):
+        self.role = role
+        self.peer = DECODE if role == PREFILL else PREFILL
+        self.layout = layout
+        self.timeout = timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(host, port, 2, role == PREFILL, self.timeout)
+            self.group = dist.ProcessGroupGloo(store, role, 2, self.timeout)
+        except Exception as e:  # noqa: BLE001 - the peer never came: a clear error, no hang
+            raise TransferError(f"no KV link with the peer at {host}:{port}: {e}") from e
+        self._store = store  # the group reads it while it lives
+        self._handshake()
+
+    def _handshake(self) -> None:
+        mine = json.dumps(asdict(self.layout)).encode()
+        theirs = self._exchange(mine)
+        other = json.loads(theirs)
+        other = KVLayout(**{**other, "k_block_shape": tuple(other["k_block_shape"]),
+                            "v_block_shape": tuple(other["v_block_shape"])})  # fmt: skip
+        differ = self.layout.differences(other)
+        if differ:
+            raise TransferError(f"the peer's KV cache differs: {'; '.join(differ)}")
+
+    def _exchange(self, data: bytes) -> bytes:
+        """Send `data` to the peer and receive its own (prefill sends first)."""
+        if self.role == PREFILL:
+            self._send_bytes(data)
+            return self._recv_bytes()
+        theirs = self._recv_bytes()
+        self._send_bytes(data)
+        return theirs
+
+    def _send_bytes(self, data: bytes) -> None:
+        self._send(torch.tensor([len(data)], dtype=torch.long))
+        self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def _recv_bytes(self) -> bytes:
+        size = torch.empty(1, dtype=torch.long)
+        self._recv(size)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._recv(data)
+        return data.numpy().tobytes()
+
+    def _send(self, t: torch.Tensor) -> None:
+        try:
+            self.group.send([t], self.peer, 0).wait(self.timeout)
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"sending to the peer failed: {e}") from e
+
+    def _recv(self, t: torch.Tensor) -> None:
+        try:
+            self.group.recv([t], self.peer, 0).wait(self.timeout)
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"receiving from the peer failed: {e}") from e
+
+    # -- blocks ----------------------------------------------------------------------------
+    def send_blocks(self, kv_caches: list, block_ids: list[int], num_tokens: int) -> int:
+        """Send these blocks of every layer (the prompt's first `num_tokens` tokens); returns
+        the bytes sent."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        n = len(block_ids)  # K and V blocks are laid out differently but hold as many values
+        payload = torch.stack(
+            [torch.stack([k[ids].reshape(n, -1), v[ids].reshape(n, -1)]) for k, v in kv_caches]
+        )
+        self._send(torch.tensor([len(block_ids), num_tokens], dtype=torch.long))
+        self._send(payload.contiguous())
+        return payload.numel() * payload.element_size()
+
+    def recv_blocks(self, kv_caches: list, block_ids: list[int]) -> int:
+        """Receive a transfer into these blocks of every layer; returns the tokens they hold."""
+        header = torch.empty(2, dtype=torch.long)
+        self._recv(header)
+        count, num_tokens = int(header[0]), int(header[1])
+        if count != len(block_ids):
+            raise TransferError(f"the peer sent {count} blocks for {len(block_ids)} places")
+        k0 = kv_caches[0][0]
+        per_block = k0[0].numel()
+        payload = torch.empty((len(kv_caches), 2, count, per_block), dtype=k0.dtype)
+        self._recv(payload)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        for layer, (k, v) in enumerate(kv_caches):
+            k[ids] = payload[layer, 0].view(count, *k.shape[1:])
+            v[ids] = payload[layer, 1].view(count, *v.shape[1:])
+        return num_tokens
+
+    def close(self) -> None:
+        self.group = None
+        self._store = None

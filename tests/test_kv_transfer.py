@@ -1,0 +1,134 @@
+"""The KV link between a prefill and a decode instance (quill/disagg/transfer.py), on gloo.
+
+A prefill process computes a prompt's KV into blocks of its pool and its first token, and
+sends the blocks; a decode process receives them into other block ids of its own pool and
+decodes on from there. Its tokens and logprobs must be those of one process doing it all
+(the same runner, the same weights, fp32). Then: a layout that differs is refused on both sides
+with what differs; a peer that never comes is an error within the timeout, not a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+from quill.contract.plan import SeqPlan, StepPlan
+from quill.contract.sampling_params import SamplingParams
+
+PROMPT = list(range(1000, 1040))  # 40 tokens: 2 full blocks of 16 and a partial one
+GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+STEPS = 6
+
+
+def _runner(model_dir, kv_cache_dtype="float32"):
+    from quill.config import EngineConfig
+    from quill.model.factory import build_model_executor
+
+    config = EngineConfig(
+        str(model_dir),
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        quantization="none",
+        kv_cache_memory=8 << 20,
+    )
+    return build_model_executor(config).runner
+
+
+def _prefill(runner, table):
+    plan = StepPlan(0, [SeqPlan("r", PROMPT, 0, len(PROMPT), table, True, GREEDY)])
+    return runner.execute(plan)
+
+
+def _decode(runner, table, first):
+    """STEPS decode steps after the prompt and `first`: the tokens and their logprobs."""
+    tokens, logprobs, last = [], [], first
+    for i in range(STEPS):
+        start = len(PROMPT) + i
+        plan = StepPlan(i + 1, [SeqPlan("r", [last], start, len(PROMPT), table, True, GREEDY)])
+        result = runner.execute(plan)
+        last = result.sampled["r"][0]
+        tokens.append(last)
+        logprobs.append(result.logprobs["r"][0][0])
+    return tokens, logprobs
+
+
+def _prefill_side(model_dir, port, queue, kv_cache_dtype):
+    from quill.disagg.transfer import PREFILL, KVLayout, KVLink
+
+    runner = _runner(model_dir, kv_cache_dtype)
+    table = [5, 2, 9, 11]  # room for the prompt and the decode steps; not the decode side's ids
+    first = _prefill(runner, table).sampled["r"][0]
+    try:
+        link = KVLink(PREFILL, "127.0.0.1", port, KVLayout.of(runner, "smol"), 20)
+        sent = link.send_blocks(runner.kv_caches, table[:3], len(PROMPT))
+        queue.put(("sent", first, sent))
+    except Exception as e:  # noqa: BLE001 - the test reads what happened
+        queue.put(("error", str(e), 0))
+
+
+def _spawn(target, *args):
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def test_decode_after_a_transfer_matches_one_process(model_dir):
+    from quill.disagg.transfer import DECODE, KVLayout, KVLink
+    from quill.distributed.group import free_port
+
+    runner = _runner(model_dir)
+    whole = [0, 1, 2, 3]
+    first = _prefill(runner, whole).sampled["r"][0]
+    want_tokens, want_logprobs = _decode(runner, whole, first)
+
+    port = free_port()
+    queue = multiprocessing.get_context("spawn").Queue()
+    proc = _spawn(_prefill_side, model_dir, port, queue, "float32")
+    try:
+        fresh = _runner(model_dir)  # an empty pool: nothing of the prompt in it
+        link = KVLink(DECODE, "127.0.0.1", port, KVLayout.of(fresh, "smol"), 20)
+        table = [7, 3, 10, 1]
+        assert link.recv_blocks(fresh.kv_caches, table[:3]) == len(PROMPT)
+        kind, their_first, sent = queue.get(timeout=30)
+        assert kind == "sent" and their_first == first
+        # 3 blocks x 30 layers x (K + V) x 3 KV heads x 16 tokens x 64 values x 4 bytes
+        assert sent == 3 * 30 * 2 * 3 * 16 * 64 * 4
+        tokens, logprobs = _decode(fresh, table, their_first)
+    finally:
+        proc.join(30)
+        proc.kill()
+    assert tokens == want_tokens
+    assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+
+
+def test_a_layout_that_differs_is_refused_on_both_sides(model_dir):
+    from quill.disagg.transfer import DECODE, KVLayout, KVLink, TransferError
+    from quill.distributed.group import free_port
+
+    port = free_port()
+    queue = multiprocessing.get_context("spawn").Queue()
+    proc = _spawn(_prefill_side, model_dir, port, queue, "bfloat16")  # a bf16 cache there
+    try:
+        mine = _runner(model_dir)
+        with pytest.raises(TransferError, match="kv_cache_dtype: 'float32' here, 'bfloat16'"):
+            KVLink(DECODE, "127.0.0.1", port, KVLayout.of(mine, "smol"), 20)
+        kind, message, _ = queue.get(timeout=30)
+        assert kind == "error" and "kv_cache_dtype: 'bfloat16' here, 'float32' there" in message
+    finally:
+        proc.join(30)
+        proc.kill()
+
+
+def test_a_peer_that_never_comes_is_an_error_within_the_timeout(model_dir):
+    from quill.disagg.transfer import DECODE, KVLayout, KVLink, TransferError
+    from quill.distributed.group import free_port
+
+    runner = _runner(model_dir)
+    start = time.monotonic()
+    with pytest.raises(TransferError, match="no KV link"):
+        KVLink(DECODE, "127.0.0.1", free_port(), KVLayout.of(runner, "smol"), 2)
+    assert time.monotonic() - start < 10
+    assert torch.distributed.is_initialized() is False  # the link is no default group
