@@ -107,6 +107,12 @@ class EngineCore:
             self._live_ids.add(request.request_id)
             self._pending.append(("add", request))
 
+    def release_kv(self, request_id: str) -> None:
+        """Free a finished request's leased KV blocks at the next step (the decode instance
+        has them, or gave up)."""
+        with self._lock:
+            self._pending.append(("release", request_id))
+
     def abort_request(self, request_id: str, reason: str = "abort", stop_reason=None) -> None:
         """End a request at the next step: "abort", or "stop" with the stop string the front
         end found."""
@@ -115,6 +121,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
+
+    def next_lease_expiry(self) -> float | None:
+        """When the first KV lease ends (a step then frees it), on this core's clock."""
+        leases = self.scheduler.kv.leases
+        return min(lease.expires_at for lease in leases.values()) if leases else None
 
     @property
     def num_unscheduled(self) -> int:
@@ -127,10 +138,13 @@ class EngineCore:
     def finish_request(
         self, request_id: str, reason: str, stop_reason=None, error: str | None = None
     ) -> Request | None:
-        """End a request now (a stop string found by the front end, an abort, an error)."""
-        request = self.scheduler.finish_request(request_id, reason, stop_reason)
+        """End a request now (a stop string found by the front end, an abort, an error). An
+        abort of a request already ended frees the KV blocks it leased."""
+        request = self.scheduler.finish_request(request_id, reason, stop_reason, self.clock.now())
         if request is not None:
             self._ended(request, error)
+        elif reason == "abort":
+            self.scheduler.kv.release(request_id)
         return request
 
     def _ended(self, request: Request, error: str | None = None) -> None:
@@ -146,7 +160,9 @@ class EngineCore:
                 if not self._pending:
                     return
                 kind, item = self._pending.popleft()
-            if kind == "add":
+            if kind == "release":
+                self.scheduler.kv.release(item)
+            elif kind == "add":
                 self.scheduler.add_request(item)
                 if self.admission is not None:
                     with self._lock:
@@ -165,6 +181,10 @@ class EngineCore:
         out = CoreOutput()
         self._drain_pending(out)
         start = self._step_started = self.clock.now()
+        kv = self.scheduler.kv
+        if kv.leases:
+            for request_id in kv.expire_leases(start):
+                log.warning("KV lease of %s expired: no decode instance fetched it", request_id)
         try:
             return self._step(out, start)
         finally:

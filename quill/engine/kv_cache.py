@@ -44,6 +44,15 @@ class PrefixCacheStats:
     hits: int = 0  # of them, tokens found cached
 
 
+@dataclass
+class KVLease:
+    """A finished request's blocks, kept for a decode instance to fetch (disaggregation)."""
+
+    block_ids: list[int]  # in order: block i holds tokens i * block_size ...
+    num_tokens: int  # tokens whose keys and values the blocks hold
+    expires_at: float  # freed then, fetched or not
+
+
 class KVCacheManager:
     """Maps requests to block tables over a BlockPool, sharing cached full blocks."""
 
@@ -56,6 +65,7 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a table already cached
         self.stats = PrefixCacheStats()
+        self.leases: dict[str, KVLease] = {}  # by request id
 
     @property
     def num_blocks(self) -> int:
@@ -143,6 +153,35 @@ class KVCacheManager:
         if needed > 0:
             table.extend(pool.allocate(needed))
         return True
+
+    # -- leases ---------------------------------------------------------------------------
+    def lease(self, request_id: str, num_tokens: int, expires_at: float) -> KVLease | None:
+        """Keep the blocks holding a finished request's first `num_tokens` tokens (the rest
+        of its table is freed) until `release` or `expires_at`."""
+        table = self.block_tables.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        if not table:
+            return None
+        keep = self.blocks_for(num_tokens)
+        if keep < len(table):
+            self.pool.free(table[keep:])
+        lease = self.leases[request_id] = KVLease(table[:keep], num_tokens, expires_at)
+        return lease
+
+    def release(self, request_id: str) -> bool:
+        """Free a lease's blocks (fetched, or given up); False if there was none."""
+        lease = self.leases.pop(request_id, None)
+        if lease is None:
+            return False
+        self.pool.free(lease.block_ids)
+        return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Free the leases past their time; their request ids."""
+        expired = [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
+        for rid in expired:
+            self.release(rid)
+        return expired
 
     def free(self, request_id: str, uncache: bool = False) -> None:
         """Release the request's blocks; their cached content stays for others unless

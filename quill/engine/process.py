@@ -178,8 +178,13 @@ class EngineLoop:
                 while self._calls:
                     self._run_call(self._calls.popleft())
                 if self._paused or not worker.has_unfinished_requests():
-                    self._wake.wait()
-                    continue
+                    expiry = worker.core.next_lease_expiry()
+                    if expiry is None or self._paused:
+                        self._wake.wait()
+                        continue
+                    # Idle but holding KV leases: wake to free them when they end.
+                    if self._wake.wait(max(0.0, expiry - worker.clock.now())):
+                        continue
                 self._step()
         except BaseException as e:  # noqa: BLE001 - the server must hear of it, then we exit
             log.exception("the engine loop died")

@@ -73,6 +73,10 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
     ttft_slo: float | None = None  # seconds: refuse at once if the first token would be later
     predicted_ttft: float | None = None  # the admission check's prediction, in seconds
+    # A prefill instance's request: when it ends (not in error, not aborted), its prompt's KV
+    # blocks are kept this many seconds for a decode instance to fetch (kv_cache.KVLease).
+    kv_lease_s: float | None = None
+    kv_lease: object | None = None  # the KVLease it got, once finished
 
     def __post_init__(self) -> None:
         if self.times is None:

@@ -95,7 +95,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
-    def finish_request(self, request_id: str, reason: str, stop_reason=None) -> Request | None:
+    def finish_request(
+        self, request_id: str, reason: str, stop_reason=None, now: float = 0.0
+    ) -> Request | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -103,7 +105,11 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv.free(request_id, uncache=reason == "error")
+        if request.kv_lease_s is not None and reason in ("length", "stop"):
+            expires = now + request.kv_lease_s
+            request.kv_lease = self.kv.lease(request_id, request.num_computed_tokens, expires)
+        else:
+            self.kv.free(request_id, uncache=reason == "error")
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -229,7 +235,7 @@ class Scheduler:
                 request.times.on_token(now)
                 reason, stop_reason = self._check_stop(request, token)
                 if reason is not None:
-                    self.finish_request(request.request_id, reason, stop_reason)
+                    self.finish_request(request.request_id, reason, stop_reason, now)
                     finished.append(request)
                     break
         return advanced, finished
