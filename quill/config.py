@@ -69,6 +69,11 @@ class EngineConfig:
     distributed_timeout: float = 60.0
     # Hosts the ranks spread over, this host's index (0: the engine's, with rank 0), and where
     # rank 0 listens for the others (a free local port when all ranks are on this host).
+    # Disaggregation (quill/disagg): a prefill instance's KV link, where a decode instance
+    # fetches leased prompt KV (None: no link); seconds a decode side waits on a transfer.
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int | None = None
+    kv_transfer_timeout: float = 30.0
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quill.contract.outputs import RequestMetrics
-from quill.contract.plan import SampleLogprobs
+from quill.contract.plan import RemoteKV, SampleLogprobs
 from quill.contract.sampling_params import SamplingParams
 
 
@@ -31,6 +31,11 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str | None = None
     ttft_slo: float | None = None
+    # Disaggregation. A prefill instance's request: keep its prompt's KV this many seconds
+    # after it ends, for a decode instance. A decode instance's request: its prompt's KV and
+    # first token, computed by a prefill instance.
+    kv_lease_s: float | None = None
+    remote_kv: RemoteKV | None = None
 
 
 @dataclass
@@ -77,6 +82,7 @@ class RequestUpdate:
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None
+    kv_lease: RemoteKV | None = None  # on the last update of a leased request
 
     @property
     def finished(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from quill.contract.plan import RemoteKV
+
 # One generated token's logprobs: {token id: logprob}, the chosen token always included.
 TokenLogprobs = dict[int, float]
 
@@ -61,3 +63,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when finish_reason is "error"
+    # A prefill instance's leased request: where a decode instance fetches its prompt's KV.
+    kv_transfer: RemoteKV | None = None

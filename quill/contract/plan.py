@@ -15,6 +15,19 @@ from typing import Protocol
 from quill.contract.sampling_params import SamplingParams
 
 
+@dataclass
+class RemoteKV:
+    """A prompt's KV cache that a prefill instance holds under lease for a decode instance:
+    where to fetch it (its KV link), which of its blocks, and the first token it sampled."""
+
+    host: str
+    port: int
+    request_id: str  # the prefill instance's id of the request
+    block_ids: list[int]
+    num_tokens: int  # the prompt tokens whose keys and values the blocks hold
+    first_token_id: int
+
+
 @dataclass(slots=True)
 class SeqPlan:
     """One request's share of a step: compute `token_ids` at positions `start`, `start + 1`, ..."""
@@ -34,6 +47,9 @@ class SeqPlan:
     token_bitmask: bytes | None = None
     # Tokens guessed ahead for the sampler to verify (speculative decoding); None: none.
     draft_token_ids: list[int] | None = None
+    # Disaggregation: fetch the prompt's KV from a prefill instance into the first blocks of
+    # `block_table` before the pass (set on the request's first step on a decode instance).
+    kv_source: RemoteKV | None = None
 
     @property
     def num_tokens(self) -> int:

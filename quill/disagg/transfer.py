@@ -68,14 +68,25 @@ class KVLink:
     """The two-rank group of a prefill instance (`role` PREFILL, which hosts the store at
     `host:port`) and a decode instance; `connect` blocks until both have joined and agreed."""
 
-    def __init__(self, role: int, host: str, port: int, layout: KVLayout, timeout_s: float):
+    def __init__(
+        self,
+        role: int,
+        host: str,
+        port: int,
+        layout: KVLayout,
+        timeout_s: float,
+        pair_timeout_s: float | None = None,
+    ) -> None:
+        """`timeout_s` bounds every transfer; `pair_timeout_s` (default the same) how long to
+        wait for the peer to pair, and, on the prefill side, for its next request."""
         self.role = role
         self.peer = DECODE if role == PREFILL else PREFILL
         self.layout = layout
         self.timeout = timedelta(seconds=timeout_s)
+        self.pair_timeout = timedelta(seconds=pair_timeout_s or timeout_s)
         try:
-            store = dist.TCPStore(host, port, 2, role == PREFILL, self.timeout)
-            self.group = dist.ProcessGroupGloo(store, role, 2, self.timeout)
+            store = dist.TCPStore(host, port, 2, role == PREFILL, self.pair_timeout)
+            self.group = dist.ProcessGroupGloo(store, role, 2, self.pair_timeout)
         except Exception as e:  # noqa: BLE001 - the peer never came: a clear error, no hang
             raise TransferError(f"no KV link with the peer at {host}:{port}: {e}") from e
         self._store = store  # the group reads it while it lives
@@ -104,9 +115,9 @@ class KVLink:
         self._send(torch.tensor([len(data)], dtype=torch.long))
         self._send(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
-    def _recv_bytes(self) -> bytes:
+    def _recv_bytes(self, timeout: timedelta | None = None) -> bytes:
         size = torch.empty(1, dtype=torch.long)
-        self._recv(size)
+        self._recv(size, timeout)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
         self._recv(data)
         return data.numpy().tobytes()
@@ -117,11 +128,23 @@ class KVLink:
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"sending to the peer failed: {e}") from e
 
-    def _recv(self, t: torch.Tensor) -> None:
+    def _recv(self, t: torch.Tensor, timeout: timedelta | None = None) -> None:
         try:
-            self.group.recv([t], self.peer, 0).wait(self.timeout)
+            self.group.recv([t], self.peer, 0).wait(timeout or self.timeout)
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"receiving from the peer failed: {e}") from e
+
+    # -- the exchange: the decode side asks for a request's lease, the prefill side answers --
+    def request_blocks(self, request_id: str) -> None:
+        self._send_bytes(json.dumps({"request_id": request_id}).encode())
+
+    def recv_request(self) -> str:
+        """The next request the decode side asks for (waits up to the pairing timeout)."""
+        return self._recv_bytes(self.pair_timeout).decode()
+
+    def send_missing(self) -> None:
+        """The answer for a lease this side no longer holds (expired, aborted)."""
+        self._send(torch.tensor([-1, 0], dtype=torch.long))
 
     # -- blocks ----------------------------------------------------------------------------
     def send_blocks(self, kv_caches: list, block_ids: list[int], num_tokens: int) -> int:
@@ -141,6 +164,9 @@ class KVLink:
         header = torch.empty(2, dtype=torch.long)
         self._recv(header)
         count, num_tokens = int(header[0]), int(header[1])
+        if count < 0:
+            raise TransferError("the prefill instance no longer holds this prompt's KV (its "
+                                "lease expired or was given up)")  # fmt: skip
         if count != len(block_ids):
             raise TransferError(f"the peer sent {count} blocks for {len(block_ids)} places")
         k0 = kv_caches[0][0]

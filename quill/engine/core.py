@@ -330,8 +330,11 @@ class EngineCore:
                     params,
                     request.prompt_token_ids if history else None,
                     request.output_token_ids[:] if history else None,
+                    kv_source=request.remote_kv,
                 )
             )
+            if request.remote_kv is not None:
+                request.remote_kv = None  # fetched by this step's pass
         ended, self._ended_ids = self._ended_ids, []
         plan = StepPlan(self._next_step_id, seqs, ended)
         self._next_step_id += 1

@@ -70,6 +70,8 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         ttft_slo: float | None = None,
+        kv_lease_s: float | None = None,
+        remote_kv=None,
     ) -> str:
         """Validate and queue a request for the next step; raises InvalidRequestError, or
         OverloadedError when its predicted time to first token exceeds its SLO (`ttft_slo`
@@ -82,6 +84,8 @@ class LLMEngine:
             priority,
             cache_salt,
             ttft_slo,
+            kv_lease_s,
+            remote_kv,
         )
         text = prompt if isinstance(prompt, str) else None
         if req.request_id in self.outputs:

@@ -77,6 +77,9 @@ class Request:
     # blocks are kept this many seconds for a decode instance to fetch (kv_cache.KVLease).
     kv_lease_s: float | None = None
     kv_lease: object | None = None  # the KVLease it got, once finished
+    # A decode instance's request whose prompt KV a prefill instance computed: fetched on its
+    # first step (quill.contract.plan.RemoteKV), then None.
+    remote_kv: object | None = None
 
     def __post_init__(self) -> None:
         if self.times is None:

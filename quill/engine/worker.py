@@ -21,6 +21,7 @@ from quill.contract.messages import (
     StepStats,
 )
 from quill.contract.outputs import RequestMetrics
+from quill.contract.plan import RemoteKV
 from quill.engine.core import CoreOutput, EngineCore
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request
@@ -73,6 +74,23 @@ class EngineWorker:
             f"; TTFT SLO {config.max_ttft_slo * 1000:g} ms" if config.max_ttft_slo else "",
         )
         self.clock = self.core.clock
+        self.kv_server = None
+        if config.tensor_parallel_size == 1:  # disaggregation runs on single-rank engines
+            from quill.disagg.fetch import KVFetcher
+
+            name = built.model_path.name
+            self.runner.kv_fetcher = KVFetcher(self.runner, name, config.kv_transfer_timeout)
+            if config.kv_transfer_port is not None:
+                from quill.disagg.serve import KVServer
+
+                self.kv_server = KVServer(
+                    self.core,
+                    self.runner,
+                    config.kv_transfer_host,
+                    config.kv_transfer_port,
+                    name,
+                    config.kv_transfer_timeout,
+                )
         self._end_ids = frozenset(built.tokenizer.eos_token_ids)
         self._num_reported: dict[str, int] = {}  # output tokens already sent, per request
         self.info = EngineInfo(
@@ -104,7 +122,13 @@ class EngineWorker:
             priority=req.priority,
             cache_salt=req.cache_salt,
             ttft_slo=req.ttft_slo,
+            kv_lease_s=req.kv_lease_s,
         )
+        remote = req.remote_kv
+        if remote is not None:  # the prompt's KV comes from a prefill instance, with its token
+            request.remote_kv = remote
+            request.output_token_ids.append(remote.first_token_id)
+            request.num_computed_tokens = remote.num_tokens
         self.core.add_request(request)
 
     def abort(self, request_id: str, reason: str = "abort", stop_reason=None) -> None:
@@ -187,6 +211,23 @@ class EngineWorker:
             finish_reason=request.finish_reason if final else None,
             stop_reason=request.stop_reason if final else None,
             error=request.error if final else None,
+            kv_lease=self._lease_of(request) if final else None,
+        )
+
+    def _lease_of(self, request: Request) -> RemoteKV | None:
+        """Where a decode instance fetches a leased request's prompt KV: this engine's KV
+        link (quill/disagg/serve.py)."""
+        lease = request.kv_lease
+        if lease is None or self.kv_server is None:
+            return None
+        host, port = self.kv_server.address
+        return RemoteKV(
+            host,
+            port,
+            request.request_id,
+            list(lease.block_ids),
+            lease.num_tokens,
+            request.output_token_ids[0],
         )
 
 

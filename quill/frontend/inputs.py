@@ -12,6 +12,7 @@ import uuid
 
 from quill.contract.errors import InvalidRequestError
 from quill.contract.messages import EngineRequest
+from quill.contract.plan import RemoteKV
 from quill.contract.sampling_params import SamplingParams
 from quill.frontend.tokenizer import Tokenizer
 
@@ -33,8 +34,12 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         ttft_slo: float | None = None,
+        kv_lease_s: float | None = None,
+        remote_kv: RemoteKV | None = None,
     ) -> EngineRequest:
-        """Raises InvalidRequestError for anything that could never be served as asked."""
+        """Raises InvalidRequestError for anything that could never be served as asked.
+        `kv_lease_s` (a prefill instance's request) and `remote_kv` (a decode instance's)
+        are disaggregation's (quill/disagg)."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
@@ -47,6 +52,16 @@ class InputProcessor:
         else:
             token_ids = list(prompt)
             self.check_token_ids(token_ids)
+        if kv_lease_s is not None and not (kv_lease_s > 0 and math.isfinite(kv_lease_s)):
+            raise InvalidRequestError(f"kv_lease_s must be positive, got {kv_lease_s}")
+        if remote_kv is not None:
+            if remote_kv.num_tokens != len(token_ids):
+                raise InvalidRequestError(
+                    f"the remote KV holds {remote_kv.num_tokens} tokens, the prompt has "
+                    f"{len(token_ids)}",
+                    "prompt",
+                )
+            self.check_token_ids([remote_kv.first_token_id])
         return EngineRequest(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,
@@ -56,6 +71,8 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             ttft_slo=ttft_slo,
+            kv_lease_s=kv_lease_s,
+            remote_kv=remote_kv,
         )
 
     def check_token_ids(self, token_ids: list[int]) -> None:

@@ -106,9 +106,11 @@ class OutputProcessor:
                     metrics = self.on_stop(update.request_id, stop, metrics)
                     finish_reason, stop_reason = "stop", stop
                 break
-        return self._output(
+        out = self._output(
             update.request_id, tracked, finish_reason, stop_reason, metrics, update.error
         )
+        out.kv_transfer = update.kv_lease
+        return out
 
     def _output(
         self,

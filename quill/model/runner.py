@@ -65,6 +65,9 @@ class ModelRunner:
         self.padded_size = lambda num_tokens: num_tokens  # compiled steps pad to a bucket
         # Tensor-parallel ranks but the first run the layers only: sampling is rank 0's.
         self.computes_logits = True
+        # Fetches prompt KV a prefill instance computed (quill/disagg/fetch.py), for plans
+        # whose rows carry a kv_source; set by the engine worker.
+        self.kv_fetcher = None
 
     def kv_bytes_per_block(self) -> int:
         elem = self.kv_cache_dtype.itemsize
@@ -140,6 +143,9 @@ class ModelRunner:
         sampling: list[SeqPlan] = []
         chunks: list[SeqPlan] = []
         for s in seqs:
+            if s.kv_source is not None:  # its prompt's KV first, from the prefill instance
+                num_blocks = -(-s.kv_source.num_tokens // self.block_size)
+                self.kv_fetcher.fetch(s.kv_source, s.block_table[:num_blocks])
             input_ids.extend(s.token_ids)
             if s.is_single_query:
                 single_positions.append(s.start)

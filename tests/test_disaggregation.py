@@ -1,0 +1,107 @@
+"""Prefill on one engine, decode on another (quill/disagg): the decode engine's reply equals
+one engine's, the prefill engine frees its lease once the blocks are fetched, and a prefill
+engine gone before the fetch fails that request alone on the decode engine, within the
+timeout, with no block leaked there."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import time
+
+import pytest
+
+from quill import LLM, SamplingParams
+from quill.contract.plan import RemoteKV
+from quill.distributed.group import free_port
+
+PROMPT = list(range(2000, 2043))  # 43 tokens: 2 full blocks and a partial one
+EXACT = list(range(3000, 3032))  # 32: exactly 2 blocks
+OPTIONS = dict(dtype="float32", kv_cache_dtype="float32", quantization="none")
+
+
+def _engine(model_dir, **extra) -> LLM:
+    return LLM(str(model_dir), kv_cache_memory=16 << 20, **OPTIONS, **extra)
+
+
+def _finish(llm: LLM, request_id: str):
+    while True:
+        for out in llm.engine.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+def _prefill_side(model_dir, port, prompts, queue, stay_s):
+    llm = _engine(model_dir, kv_transfer_port=port, kv_transfer_timeout=10.0)
+    first = SamplingParams(max_tokens=1, temperature=0)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(prompt, first, f"p{i}", kv_lease_s=60.0)
+        queue.put(dataclasses.asdict(_finish(llm, f"p{i}").kv_transfer))
+    kv = llm.engine.scheduler.kv
+    deadline = time.monotonic() + stay_s
+    while kv.leases and time.monotonic() < deadline:  # until the decode engine fetched them
+        llm.engine.step()
+        time.sleep(0.01)
+    queue.put({"leases": len(kv.leases), "free": kv.pool.num_free_blocks, "all": kv.num_blocks})
+
+
+def _start_prefill(model_dir, prompts, stay_s=60.0):
+    context = multiprocessing.get_context("spawn")
+    queue, port = context.Queue(), free_port()
+    args = (model_dir, port, prompts, queue, stay_s)
+    proc = context.Process(target=_prefill_side, args=args, daemon=True)
+    proc.start()
+    return proc, queue
+
+
+def test_decode_after_prefill_elsewhere_matches_one_engine(llm, model_dir):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate([PROMPT, EXACT], greedy, use_tqdm=False)]
+    proc, queue = _start_prefill(model_dir, [PROMPT, EXACT])
+    try:
+        decode = _engine(model_dir)
+        for i, prompt in enumerate([PROMPT, EXACT]):
+            remote = RemoteKV(**queue.get(timeout=120))
+            assert remote.num_tokens == len(prompt) and remote.first_token_id == want[i][0]
+            assert len(remote.block_ids) == -(-len(prompt) // 16)
+            decode.engine.add_request(prompt, greedy, f"d{i}", remote_kv=remote)
+            out = _finish(decode, f"d{i}")
+            assert out.outputs[0].token_ids == want[i]
+        # The decode engine computed none of the prompts: its steps were all decodes.
+        fetcher = decode.engine.worker.runner.kv_fetcher
+        assert fetcher.num_fetched == 2 and fetcher.bytes_fetched == 5 * 30 * 2 * 3 * 16 * 64 * 4
+        # The prefill engine freed both leases once fetched: its pool is idle again.
+        idle = queue.get(timeout=60)
+        assert idle == {"leases": 0, "free": idle["all"], "all": idle["all"]}
+    finally:
+        proc.join(30)
+        proc.kill()
+
+
+def test_a_prefill_engine_gone_fails_only_that_request(model_dir):
+    proc, queue = _start_prefill(model_dir, [PROMPT], stay_s=0.0)
+    remote = RemoteKV(**queue.get(timeout=120))
+    queue.get(timeout=60)
+    proc.join(30)  # it exits with its lease unfetched
+    decode = _engine(model_dir, kv_transfer_timeout=3.0)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    decode.engine.add_request([5, 6, 7], greedy, "other")
+    decode.engine.add_request(PROMPT, greedy, "orphan", remote_kv=remote)
+    start = time.monotonic()
+    outs = {}
+    while decode.engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in decode.engine.step() if o.finished})
+    assert time.monotonic() - start < 30
+    assert outs["orphan"].outputs[0].finish_reason == "error"
+    assert "KV link" in outs["orphan"].error or "peer" in outs["orphan"].error
+    assert outs["other"].outputs[0].finish_reason == "length"
+    kv = decode.engine.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.num_blocks  # nothing of the orphan left
+
+
+def test_remote_kv_must_fit_the_prompt(model_dir, llm):
+    from quill.contract.errors import InvalidRequestError
+
+    remote = RemoteKV("127.0.0.1", 1, "x", [0, 1], 20, 5)
+    with pytest.raises(InvalidRequestError, match="holds 20 tokens, the prompt has 3"):
+        llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), "bad", remote_kv=remote)
