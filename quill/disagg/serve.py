@@ -32,6 +32,9 @@ class KVServer:
         self.timeout_s = timeout_s
         self.num_sent = 0
         self.bytes_sent = 0
+        # Called once a lease is to be freed: the engine process's loop sleeps when idle and
+        # must step for the core to free it.
+        self.on_release = lambda: None
         self._thread = threading.Thread(target=self._serve, name="quill-kv-server", daemon=True)
         self._thread.start()
 
@@ -59,3 +62,4 @@ class KVServer:
         self.bytes_sent += link.send_blocks(caches, lease.block_ids, lease.num_tokens)
         self.num_sent += 1
         self.core.release_kv(request_id)
+        self.on_release()

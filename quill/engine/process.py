@@ -105,6 +105,8 @@ class EngineLoop:
         self._paused = False
         self._calls: deque[UtilityCall] = deque()  # run by the step thread, between steps
         self._faults: dict[str, int] = {}  # tests: site -> the call that raises
+        if worker.kv_server is not None:  # a fetched lease is freed at the next step
+            worker.kv_server.on_release = self._wake.set
 
     # -- both threads ----------------------------------------------------------------------
     def send(self, message) -> None:
