@@ -67,6 +67,10 @@ def test_decode_after_prefill_elsewhere_matches_one_engine(llm, model_dir):
             decode.engine.add_request(prompt, greedy, f"d{i}", remote_kv=remote)
             out = _finish(decode, f"d{i}")
             assert out.outputs[0].token_ids == want[i]
+            # 30 layers x (K + V) x its blocks x 3 KV heads x 16 tokens x 64 values x 4 bytes
+            blocks = len(remote.block_ids)
+            assert out.metrics.kv_transfer_bytes == 30 * 2 * blocks * 3 * 16 * 64 * 4
+            assert 0 < out.metrics.kv_transfer_s < 30
         # The decode engine computed none of the prompts: its steps were all decodes.
         fetcher = decode.engine.worker.runner.kv_fetcher
         assert fetcher.num_fetched == 2 and fetcher.bytes_fetched == 5 * 30 * 2 * 3 * 16 * 64 * 4

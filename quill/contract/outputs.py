@@ -33,6 +33,9 @@ class RequestMetrics:
     flops: float | None = None
     bytes_moved: float | None = None
     cost_usd: float | None = None
+    # A decode instance's request whose prompt KV came from a prefill instance: the transfer.
+    kv_transfer_bytes: int | None = None
+    kv_transfer_s: float | None = None
 
 
 @dataclass

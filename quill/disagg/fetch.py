@@ -21,9 +21,11 @@ class KVFetcher:
         self.num_fetched = 0
         self.bytes_fetched = 0
         self.seconds = 0.0
+        self.done: dict[str, tuple[int, float]] = {}  # request id -> (bytes, seconds), untaken
 
-    def fetch(self, source: RemoteKV, block_ids: list[int]) -> None:
-        """Receive `source`'s blocks into these blocks of this instance's cache."""
+    def fetch(self, request_id: str, source: RemoteKV, block_ids: list[int]) -> None:
+        """Receive `source`'s blocks into these blocks of this instance's cache, for the
+        request `request_id` here."""
         start = time.perf_counter()
         key = (source.host, source.port)
         link = self.links.get(key)
@@ -37,9 +39,10 @@ class KVFetcher:
         except Exception:
             del self.links[key]  # the link is in an unknown state: pair again next time
             raise
-        self.num_fetched += 1
         k = self.runner.kv_caches[0][0]
-        self.bytes_fetched += (
-            2 * len(self.runner.kv_caches) * len(block_ids) * k[0].numel() * (k.element_size())
-        )
-        self.seconds += time.perf_counter() - start
+        moved = 2 * len(self.runner.kv_caches) * len(block_ids) * k[0].numel() * k.element_size()
+        seconds = time.perf_counter() - start
+        self.num_fetched += 1
+        self.bytes_fetched += moved
+        self.seconds += seconds
+        self.done[request_id] = (moved, seconds)

@@ -80,6 +80,7 @@ class Request:
     # A decode instance's request whose prompt KV a prefill instance computed: fetched on its
     # first step (quill.contract.plan.RemoteKV), then None.
     remote_kv: object | None = None
+    kv_transfer: tuple[int, float] | None = None  # (bytes, seconds) of that fetch, once done
 
     def __post_init__(self) -> None:
         if self.times is None:
@@ -126,6 +127,8 @@ class Request:
             flops=cost.flops if cost else None,
             bytes_moved=cost.bytes_moved if cost else None,
             cost_usd=cost.cost_usd if cost else None,
+            kv_transfer_bytes=self.kv_transfer[0] if self.kv_transfer else None,
+            kv_transfer_s=self.kv_transfer[1] if self.kv_transfer else None,
         )
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:

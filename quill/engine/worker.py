@@ -161,6 +161,12 @@ class EngineWorker:
         """One pass of the model; an update for every request that advanced or ended, and the
         step's stats (no tokens when no pass ran)."""
         out: CoreOutput = self.core.step()
+        fetcher = getattr(self.runner, "kv_fetcher", None)
+        if fetcher is not None and fetcher.done:  # prompt KV fetched in this step's pass
+            for request in (*out.advanced, *out.finished):
+                if request.request_id in fetcher.done:
+                    request.kv_transfer = fetcher.done.pop(request.request_id)
+            fetcher.done.clear()  # requests failed meanwhile
         updates = []
         finished = {id(r) for r in out.finished}
         for request in out.advanced:

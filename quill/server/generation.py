@@ -182,6 +182,9 @@ def request_timings(metrics: list[RequestMetrics], num_prompt_tokens: int) -> di
         "flops": pick(sum, [m.flops for m in metrics]),
         "bytes_moved": pick(sum, [m.bytes_moved for m in metrics]),
         "cost_usd": pick(sum, [m.cost_usd for m in metrics]),
+        # The prompt's KV from a prefill instance (disaggregation), when it came from one.
+        "kv_transfer_bytes": pick(sum, [m.kv_transfer_bytes for m in metrics]),
+        "kv_transfer_s": pick(max, [m.kv_transfer_s for m in metrics]),
     }
 
 
