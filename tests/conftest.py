@@ -83,6 +83,38 @@ def write_tiny_config(directory, model_dir, hidden_size: int = 64) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
+def write_random_checkpoint(directory, model_dir, kind: str, heads: int, kv_heads: int) -> str:
+    """A random checkpoint of this shape, with the default model's tokenizer beside it."""
+    import shutil
+
+    import transformers
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, directory / name)
+
+    common = dict(
+        vocab_size=49152,  # the default model's tokenizer
+        hidden_size=heads * 16,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    torch.manual_seed(0)
+    with torch.no_grad():  # large random weights, so greedy paths are not all one token
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.eval().save_pretrained(str(directory))
+    return str(directory)
+
+
 def run_native_tests_with_avx2(test_file: str) -> None:
     """Runs a test file's native tests in a process that loads the AVX2 library (an AVX-512
     CPU runs it too), and fails unless they all ran and passed."""

@@ -14,45 +14,13 @@ import signal
 import time
 
 import pytest
-import torch
 
 from quill import LLM, SamplingParams
 from quill.contract.errors import ExecutorFailedError, ModelLoadError
+from tests.conftest import write_random_checkpoint
 
 PROMPTS = [[11, 12, 13, 14], [500] * 40, list(range(1000, 1077))]  # 77: several blocks
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=3)
-
-
-def _checkpoint(directory, model_dir, kind: str, heads: int, kv_heads: int) -> str:
-    """A random checkpoint of this shape, with the default model's tokenizer beside it."""
-    import shutil
-
-    import transformers
-
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, directory / name)
-
-    common = dict(
-        vocab_size=49152,  # the default model's tokenizer
-        hidden_size=heads * 16,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    if kind == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    torch.manual_seed(0)
-    with torch.no_grad():  # large random weights, so greedy paths are not all one token
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.eval().save_pretrained(str(directory))
-    return str(directory)
 
 
 def _engine(path: str, tp: int, **options) -> LLM:
@@ -90,7 +58,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tp2_and_tp3_match_one_rank(variant, tmp_path, model_dir):
-    path = _checkpoint(tmp_path, model_dir, *VARIANTS[variant])
+    path = write_random_checkpoint(tmp_path, model_dir, *VARIANTS[variant])
     with _engine(path, 1) as one:
         want = _run(one)
     for tp in (2, 3):
@@ -133,7 +101,7 @@ def _fails_within(llm: LLM, seconds: float, signum: int, rank: int = 1) -> None:
 
 
 def test_a_rank_killed_mid_run_fails_the_engine_at_once(tmp_path, model_dir):
-    path = _checkpoint(tmp_path, model_dir, "llama", 12, 6)
+    path = write_random_checkpoint(tmp_path, model_dir, "llama", 12, 6)
     llm = _engine(path, 2)
     processes = llm.engine.worker.runner.processes
     try:
@@ -147,7 +115,7 @@ def test_a_rank_killed_mid_run_fails_the_engine_at_once(tmp_path, model_dir):
 
 
 def test_a_rank_that_hangs_is_given_up_on_after_the_timeout(tmp_path, model_dir):
-    path = _checkpoint(tmp_path, model_dir, "llama", 12, 6)
+    path = write_random_checkpoint(tmp_path, model_dir, "llama", 12, 6)
     llm = _engine(path, 3, distributed_timeout=3.0)
     processes = llm.engine.worker.runner.processes
     try:
@@ -166,7 +134,7 @@ def test_two_nodes_on_one_host_match_one_rank(tmp_path, model_dir):
 
     from quill.distributed.group import free_port
 
-    path = _checkpoint(tmp_path, model_dir, "llama", 12, 6)
+    path = write_random_checkpoint(tmp_path, model_dir, "llama", 12, 6)
     with _engine(path, 1) as one:
         want = _run(one)
     port = free_port()

@@ -58,3 +58,31 @@ def test_tp3_serves_the_one_rank_text_and_a_killed_rank_stops_the_server(llm):
             assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     finally:
         served.kill()
+
+
+def test_tp2_over_http_matches_one_rank(tmp_path, model_dir):
+    """TP=2 needs heads that 2 divides (SmolLM2's 9 do not): a random 12 / 6-head Llama."""
+    from quill import LLM
+    from tests.conftest import write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path, model_dir, "llama", 12, 6)
+    prompts = [[11, 12, 13, 14], list(range(1000, 1040))]
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    options = dict(dtype="float32", kv_cache_dtype="float32", quantization="none")
+    with LLM(path, kv_cache_memory=32 << 20, **options) as one:
+        want = [o.outputs[0].text for o in one.generate(prompts, greedy, use_tqdm=False)]
+    served = ServeProcess(path, *TP3[2:], "--tensor-parallel-size", "2")
+    try:
+        url = served.ready()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        for prompt, text in zip(prompts, want, strict=True):
+            resp = client.completions.create(
+                model="smol",
+                prompt=prompt,
+                max_tokens=32,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert resp.choices[0].text == text and resp.usage.completion_tokens == 32
+    finally:
+        served.kill()
