@@ -125,28 +125,33 @@ def test_a_rank_that_hangs_is_given_up_on_after_the_timeout(tmp_path, model_dir)
     assert not any(p.is_alive() for p in processes)
 
 
+def _tp_node(path: str, port: int, pool: str):
+    """`quill tp-node` as node 1 of 2 (rank 1 of 2) for rank 0's group at `port`."""
+    import subprocess
+    import sys
+
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+             "--master-port", str(port), "--dtype", "float32", "--kv-cache-dtype", "float32",
+             "--quantization", "none", "--kv-cache-memory", pool]  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "quill.cli", "tp-node", path, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def test_two_nodes_on_one_host_match_one_rank(tmp_path, model_dir):
     """--nnodes 2: node 1 runs `quill tp-node` with the same flags and joins rank 0's group at
     --master-addr/--master-port (both hosts are this one here); a node started with other
     options is refused."""
-    import subprocess
-    import sys
-
     from quill.distributed.group import free_port
 
     path = write_random_checkpoint(tmp_path, model_dir, "llama", 12, 6)
     with _engine(path, 1) as one:
         want = _run(one)
     port = free_port()
-    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port),
-             "--dtype", "float32", "--kv-cache-dtype", "float32", "--quantization", "none",
-             "--kv-cache-memory", "32MiB"]  # fmt: skip
-    node = subprocess.Popen(
-        [sys.executable, "-m", "quill.cli", "tp-node", path, *flags, "--node-rank", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    node = _tp_node(path, port, "32MiB")
     try:
         with _engine(path, 2, nnodes=2, master_port=port) as llm:
             assert llm.engine.worker.runner.processes == []  # rank 1 is the other node's
@@ -156,15 +161,8 @@ def test_two_nodes_on_one_host_match_one_rank(tmp_path, model_dir):
         node.kill()
     _assert_same(got, want)
 
-    flags[flags.index("32MiB")] = "16MiB"  # a node that would size its pool otherwise
-    port = free_port()  # a fresh group
-    flags[flags.index("--master-port") + 1] = str(port)
-    node = subprocess.Popen(
-        [sys.executable, "-m", "quill.cli", "tp-node", path, *flags, "--node-rank", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    port = free_port()  # a fresh group, and a node that would size its pool otherwise
+    node = _tp_node(path, port, "16MiB")
     try:
         with pytest.raises(Exception):  # noqa: B017 - rank 0 learns only that rank 1 left
             _engine(path, 2, nnodes=2, master_port=port)

@@ -76,6 +76,20 @@ LONG_STREAM = {
 }
 
 
+def stream_and_kill(c: httpx.Client, victim: psutil.Process) -> tuple[list[str], float]:
+    """Stream LONG_STREAM, SIGKILL `victim` at the third event (as the out-of-memory killer
+    would); the events, and the seconds from the kill to the stream's end."""
+    events = []
+    with c.stream("POST", "/v1/chat/completions", json=LONG_STREAM, headers=AUTH) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+            if len(events) == 3:
+                victim.kill()
+                killed = time.monotonic()
+    return events, time.monotonic() - killed
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_starts_and_stops_cleanly(sig):
     served = ServeProcess(*SMALL)
@@ -116,15 +130,7 @@ def test_engine_killed_mid_stream_fails_requests_at_once_and_the_server_exits_no
         url = served.ready()
         engine = served.engine()
         with httpx.Client(base_url=url, timeout=60) as c:
-            events = []
-            with c.stream("POST", "/v1/chat/completions", json=LONG_STREAM, headers=AUTH) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(line)
-                    if len(events) == 3:
-                        engine.kill()  # SIGKILL, as the out-of-memory killer would
-                        killed = time.monotonic()
-            ended = time.monotonic() - killed
+            events, ended = stream_and_kill(c, engine)
             # The stream ended at once with an error event naming the engine, then [DONE].
             assert events[-1] == "data: [DONE]"
             assert '"error"' in events[-2] and "engine process died" in events[-2]

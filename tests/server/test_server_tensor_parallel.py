@@ -4,12 +4,10 @@ server with a non-zero status, leaving no process behind."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import psutil
-from test_server_cli import AUTH, KEY, LONG_STREAM, ServeProcess
+from test_server_cli import KEY, ServeProcess, stream_and_kill
 
 from quill.contract.sampling_params import SamplingParams
 
@@ -37,15 +35,8 @@ def test_tp3_serves_the_one_rank_text_and_a_killed_rank_stops_the_server(llm):
         assert [c.text for c in resp.choices] == want
         rank = ranks[-1]
         with httpx.Client(base_url=url, timeout=60) as c:
-            events = []
-            with c.stream("POST", "/v1/chat/completions", json=LONG_STREAM, headers=AUTH) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(line)
-                    if len(events) == 3:
-                        rank.kill()
-                        killed = time.monotonic()
-            assert time.monotonic() - killed < 5
+            events, ended = stream_and_kill(c, rank)
+            assert ended < 5
             assert events[-1] == "data: [DONE]"
             assert '"error"' in events[-2] and "tensor-parallel" in events[-2], events[-2]
             assert c.get("/health").status_code == 503
