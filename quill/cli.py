@@ -115,6 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     if add_serve_arguments is not None:
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
+        from quill.router.app import add_router_arguments, run_router
+
+        router = sub.add_parser(
+            "router",
+            help="one OpenAI endpoint for prefill and decode instances (disaggregation), or "
+            "for whole-request instances, picked by load",
+        )
+        add_router_arguments(router)
+        router.set_defaults(func=run_router)
 
     from quill.cost.cli import add_cost_parser
 
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
 
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -69,15 +69,17 @@ class EngineConfig:
     distributed_timeout: float = 60.0
     # Hosts the ranks spread over, this host's index (0: the engine's, with rank 0), and where
     # rank 0 listens for the others (a free local port when all ranks are on this host).
-    # Disaggregation (quill/disagg): a prefill instance's KV link, where a decode instance
-    # fetches leased prompt KV (None: no link); seconds a decode side waits on a transfer.
-    kv_transfer_host: str = "127.0.0.1"
-    kv_transfer_port: int | None = None
-    kv_transfer_timeout: float = 30.0
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    # Disaggregation (quill/disagg): a prefill instance's KV address, where decode instances
+    # pair and fetch leased prompt KV (port None: no link); seconds a transfer may take; what a
+    # decode instance does when a fetch fails: compute the prompt itself, or fail the request.
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_port: int | None = None
+    kv_transfer_timeout: float = 30.0
+    kv_transfer_failure: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -128,6 +130,14 @@ class EngineConfig:
             raise ValueError("compile is not supported with tensor_parallel_size > 1")
         if self.max_ttft_slo is not None and not self.predict_ttft:
             raise ValueError("max_ttft_slo refuses by predicted TTFT: it needs predict_ttft on")
+        if self.kv_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(
+                f"unknown kv_transfer_failure {self.kv_transfer_failure!r} (recompute | fail)"
+            )
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError(
+                f"kv_transfer_timeout must be positive seconds, got {self.kv_transfer_timeout}"
+            )
         if self.quantization is None:
             self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:

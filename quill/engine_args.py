@@ -107,6 +107,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "actual one; needed by --max-ttft-slo and per-request ttft_slo_ms)",
     )
 
+    kv = parser.add_argument_group("disaggregation (quill serve --role, quill router)")
+    kv.add_argument(
+        "--kv-transfer-port",
+        type=int,
+        default=None,
+        help="a prefill instance's KV address port, where decode instances fetch prompt KV "
+        "(default with --role prefill: the HTTP port + 1)",
+    )
+    kv.add_argument(
+        "--kv-transfer-host", default="127.0.0.1", help="the KV address's host (default local)"
+    )
+    kv.add_argument(
+        "--kv-transfer-timeout",
+        type=checked(positive, "seconds"),
+        default=30.0,
+        metavar="SECONDS",
+        help="longest a KV transfer (or pairing with a prefill instance) may take (default 30)",
+    )
+    kv.add_argument(
+        "--kv-transfer-failure",
+        choices=("recompute", "fail"),
+        default="recompute",
+        help="a decode instance whose KV fetch fails: computes the prompt itself (default), or "
+        "fails the request",
+    )
+
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags the scheduler reads; the simulator takes exactly these too."""
@@ -158,6 +184,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         master_addr=args.master_addr,
         master_port=args.master_port,
         cost_accounting=args.cost_accounting,
+        kv_transfer_host=args.kv_transfer_host,
+        kv_transfer_port=args.kv_transfer_port,
+        kv_transfer_timeout=args.kv_transfer_timeout,
+        kv_transfer_failure=args.kv_transfer_failure,
     )
 
 

@@ -1,10 +1,11 @@
 """The KV link between a prefill and a decode instance (quill/disagg/transfer.py), on gloo.
 
 A prefill process computes a prompt's KV into blocks of its pool and its first token, and
-sends the blocks; a decode process receives them into other block ids of its own pool and
-decodes on from there. Its tokens and logprobs must be those of one process doing it all
-(the same runner, the same weights, fp32). Then: a layout that differs is refused on both sides
-with what differs; a peer that never comes is an error within the timeout, not a hang.
+sends the blocks to each decode side that pairs; a decode side receives them into other block
+ids of its own pool and decodes on from there. Its tokens and logprobs must be those of one
+process doing it all (the same runner, the same weights, fp32). Then: a layout that differs is
+refused on both sides with what differs; a peer that never comes is an error within the
+timeout, not a hang.
 """
 
 from __future__ import annotations
@@ -55,18 +56,22 @@ def _decode(runner, table, first):
     return tokens, logprobs
 
 
-def _prefill_side(model_dir, port, queue, kv_cache_dtype):
-    from quill.disagg.transfer import PREFILL, KVLayout, KVLink
+def _prefill_side(model_dir, port, queue, kv_cache_dtype, num_peers=1):
+    from quill.disagg.transfer import KVLayout, KVLink, KVListener
 
     runner = _runner(model_dir, kv_cache_dtype)
     table = [5, 2, 9, 11]  # room for the prompt and the decode steps; not the decode side's ids
     first = _prefill(runner, table).sampled["r"][0]
-    try:
-        link = KVLink(PREFILL, "127.0.0.1", port, KVLayout.of(runner, "smol"), 20)
-        sent = link.send_blocks(runner.kv_caches, table[:3], len(PROMPT))
-        queue.put(("sent", first, sent))
-    except Exception as e:  # noqa: BLE001 - the test reads what happened
-        queue.put(("error", str(e), 0))
+    listener = KVListener("127.0.0.1", port, KVLayout.of(runner, "smol"), 20)
+    for _ in range(num_peers):  # each decode instance pairs over its own link
+        try:
+            link = None
+            while link is None:
+                link = listener.accept(wait_s=1.0)
+            payload = KVLink.gather_blocks(runner.kv_caches, table[:3])
+            queue.put(("sent", first, link.send_blocks(payload, len(PROMPT))))
+        except Exception as e:  # noqa: BLE001 - the test reads what happened
+            queue.put(("error", str(e), 0))
 
 
 def _spawn(target, *args):
@@ -76,7 +81,9 @@ def _spawn(target, *args):
 
 
 def test_decode_after_a_transfer_matches_one_process(model_dir):
-    from quill.disagg.transfer import DECODE, KVLayout, KVLink
+    """Two decode instances (here two runners of this process) pair with one prefill
+    instance, each over its own link, and each decodes what one process would."""
+    from quill.disagg.transfer import KVLayout, connect
     from quill.distributed.group import free_port
 
     runner = _runner(model_dir)
@@ -86,26 +93,26 @@ def test_decode_after_a_transfer_matches_one_process(model_dir):
 
     port = free_port()
     queue = multiprocessing.get_context("spawn").Queue()
-    proc = _spawn(_prefill_side, model_dir, port, queue, "float32")
+    proc = _spawn(_prefill_side, model_dir, port, queue, "float32", 2)
     try:
-        fresh = _runner(model_dir)  # an empty pool: nothing of the prompt in it
-        link = KVLink(DECODE, "127.0.0.1", port, KVLayout.of(fresh, "smol"), 20)
-        table = [7, 3, 10, 1]
-        assert link.recv_blocks(fresh.kv_caches, table[:3]) == len(PROMPT)
-        kind, their_first, sent = queue.get(timeout=30)
-        assert kind == "sent" and their_first == first
-        # 3 blocks x 30 layers x (K + V) x 3 KV heads x 16 tokens x 64 values x 4 bytes
-        assert sent == 3 * 30 * 2 * 3 * 16 * 64 * 4
-        tokens, logprobs = _decode(fresh, table, their_first)
+        for table in ([7, 3, 10, 1], [0, 6, 4, 8]):
+            fresh = _runner(model_dir)  # an empty pool: nothing of the prompt in it
+            link = connect("127.0.0.1", port, KVLayout.of(fresh, "smol"), 20)
+            assert link.recv_blocks(fresh.kv_caches, table[:3]) == len(PROMPT)
+            kind, their_first, sent = queue.get(timeout=30)
+            assert kind == "sent" and their_first == first
+            # 3 blocks x 30 layers x (K + V) x 3 KV heads x 16 tokens x 64 values x 4 bytes
+            assert sent == 3 * 30 * 2 * 3 * 16 * 64 * 4
+            tokens, logprobs = _decode(fresh, table, their_first)
+            assert tokens == want_tokens
+            assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
     finally:
         proc.join(30)
         proc.kill()
-    assert tokens == want_tokens
-    assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
 
 
 def test_a_layout_that_differs_is_refused_on_both_sides(model_dir):
-    from quill.disagg.transfer import DECODE, KVLayout, KVLink, TransferError
+    from quill.disagg.transfer import KVLayout, TransferError, connect
     from quill.distributed.group import free_port
 
     port = free_port()
@@ -114,7 +121,7 @@ def test_a_layout_that_differs_is_refused_on_both_sides(model_dir):
     try:
         mine = _runner(model_dir)
         with pytest.raises(TransferError, match="kv_cache_dtype: 'float32' here, 'bfloat16'"):
-            KVLink(DECODE, "127.0.0.1", port, KVLayout.of(mine, "smol"), 20)
+            connect("127.0.0.1", port, KVLayout.of(mine, "smol"), 20)
         kind, message, _ = queue.get(timeout=30)
         assert kind == "error" and "kv_cache_dtype: 'bfloat16' here, 'float32' there" in message
     finally:
@@ -123,12 +130,12 @@ def test_a_layout_that_differs_is_refused_on_both_sides(model_dir):
 
 
 def test_a_peer_that_never_comes_is_an_error_within_the_timeout(model_dir):
-    from quill.disagg.transfer import DECODE, KVLayout, KVLink, TransferError
+    from quill.disagg.transfer import KVLayout, TransferError, connect
     from quill.distributed.group import free_port
 
     runner = _runner(model_dir)
     start = time.monotonic()
     with pytest.raises(TransferError, match="no KV link"):
-        KVLink(DECODE, "127.0.0.1", free_port(), KVLayout.of(runner, "smol"), 2)
+        connect("127.0.0.1", free_port(), KVLayout.of(runner, "smol"), 2)
     assert time.monotonic() - start < 10
     assert torch.distributed.is_initialized() is False  # the link is no default group

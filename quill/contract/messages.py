@@ -101,6 +101,24 @@ class StepPrice:
 
 
 @dataclass
+class KVTransferStats:
+    """Disaggregation's running totals on one instance (quill/disagg), sent with each step's
+    stats once it has a KV link."""
+
+    fetches: int = 0  # decode side: prompts' KV received from prefill instances
+    fetched_bytes: int = 0
+    fetch_failures: int = 0
+    recomputes: int = 0  # failed fetches whose prompt was computed here instead
+    # Prompt tokens computed here for requests whose KV came from a prefill instance (~0
+    # unless fetches failed or such requests were preempted).
+    transferred_prompt_tokens: int = 0
+    sends: int = 0  # prefill side: leases sent to decode instances
+    sent_bytes: int = 0
+    leases: int = 0  # leases held now
+    lease_expiries: int = 0  # leases freed unfetched
+
+
+@dataclass
 class StepStats:
     """What one step did and left: the one thing observers read of the engine."""
 
@@ -116,6 +134,7 @@ class StepStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     price: StepPrice | None = None  # when a cost model with a hardware spec is on
+    kv_transfer: KVTransferStats | None = None  # when this instance has a KV link
 
     @property
     def num_batched_tokens(self) -> int:

@@ -26,6 +26,8 @@ class RemoteKV:
     block_ids: list[int]
     num_tokens: int  # the prompt tokens whose keys and values the blocks hold
     first_token_id: int
+    # Set by the decode instance: its leading blocks found in its own prefix cache, not sent.
+    num_cached_blocks: int = 0
 
 
 @dataclass(slots=True)

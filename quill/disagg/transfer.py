@@ -1,8 +1,11 @@
 """One prefill/decode pair's KV link: a two-rank process group, a handshake, block transfers.
 
 The link is a gloo process group of its own (rank 0 the prefill instance, rank 1 the decode
-one) over a TCP store at the prefill side's address, not torch.distributed's default group, so
-one process can hold a link per peer beside a tensor-parallel group. On pairing both sides
+one), not torch.distributed's default group, so one process can hold a link per peer beside a
+tensor-parallel group. A prefill instance listens with one TCP store at its KV address; each
+decode instance that connects takes the next pair number from it and the two make their group
+over the store's keys of that pair, so one prefill instance serves any number of decode
+instances, each over its own link, without a port per pair. On pairing both sides
 exchange their KV layout (model, dtypes, block size, layers, KV heads, head size, the cache's
 block shape) and refuse a mismatch, naming what differs, before any block moves: bytes of one
 layout read as another would be wrong tokens, not an error.
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 PREFILL, DECODE = 0, 1
+_FOREVER_S = 365 * 24 * 3600.0  # a paired decode instance may ask whenever it likes
 
 
 class TransferError(RuntimeError):
@@ -64,31 +68,68 @@ class KVLayout:
         return [f"{k}: {mine[k]!r} here, {theirs[k]!r} there" for k in mine if mine[k] != theirs[k]]
 
 
+class KVListener:
+    """A prefill instance's KV address: decode instances pair with it there, one link each."""
+
+    def __init__(self, host: str, port: int, layout: KVLayout, timeout_s: float) -> None:
+        self.layout = layout
+        self.timeout_s = timeout_s
+        try:
+            self.store = dist.TCPStore(
+                host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
+            )
+        except Exception as e:  # noqa: BLE001 - the port is taken: say which
+            raise TransferError(f"cannot listen for KV links at {host}:{port}: {e}") from e
+        self.num_accepted = 0
+
+    def accept(self, wait_s: float) -> KVLink | None:
+        """The next decode instance's link, once it pairs; None if none came within `wait_s`."""
+        key = f"pair/{self.num_accepted}"
+        try:
+            self.store.wait([key], timedelta(seconds=wait_s))
+        except Exception:  # noqa: BLE001 - nobody yet
+            return None
+        pair = self.num_accepted
+        self.num_accepted += 1
+        return KVLink(PREFILL, self.store, pair, self.layout, self.timeout_s, _FOREVER_S)
+
+
+def connect(host: str, port: int, layout: KVLayout, timeout_s: float) -> KVLink:
+    """Pair with the prefill instance listening at `host:port` (the decode side)."""
+    try:
+        store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+        pair = store.add("num_pairs", 1) - 1
+        store.set(f"pair/{pair}", "1")
+    except Exception as e:  # noqa: BLE001 - nobody listens there: a clear error, no hang
+        raise TransferError(f"no KV link with the prefill instance at {host}:{port}: {e}") from e
+    return KVLink(DECODE, store, pair, layout, timeout_s)
+
+
 class KVLink:
-    """The two-rank group of a prefill instance (`role` PREFILL, which hosts the store at
-    `host:port`) and a decode instance; `connect` blocks until both have joined and agreed."""
+    """The two-rank group of a prefill instance (`role` PREFILL) and a decode instance, over
+    pair `pair`'s keys of the prefill side's store; made once both have joined and agreed."""
 
     def __init__(
         self,
         role: int,
-        host: str,
-        port: int,
+        store: dist.Store,
+        pair: int,
         layout: KVLayout,
         timeout_s: float,
-        pair_timeout_s: float | None = None,
+        request_timeout_s: float | None = None,
     ) -> None:
-        """`timeout_s` bounds every transfer; `pair_timeout_s` (default the same) how long to
-        wait for the peer to pair, and, on the prefill side, for its next request."""
+        """`timeout_s` bounds pairing and every transfer; `request_timeout_s` (default the
+        same) how long the prefill side waits for the decode side's next request."""
         self.role = role
         self.peer = DECODE if role == PREFILL else PREFILL
         self.layout = layout
         self.timeout = timedelta(seconds=timeout_s)
-        self.pair_timeout = timedelta(seconds=pair_timeout_s or timeout_s)
+        self.request_timeout = timedelta(seconds=request_timeout_s or timeout_s)
         try:
-            store = dist.TCPStore(host, port, 2, role == PREFILL, self.pair_timeout)
-            self.group = dist.ProcessGroupGloo(store, role, 2, self.pair_timeout)
-        except Exception as e:  # noqa: BLE001 - the peer never came: a clear error, no hang
-            raise TransferError(f"no KV link with the peer at {host}:{port}: {e}") from e
+            pair_store = dist.PrefixStore(f"pair{pair}/", store)
+            self.group = dist.ProcessGroupGloo(pair_store, role, 2, self.timeout)
+        except Exception as e:  # noqa: BLE001 - the peer never joined: a clear error, no hang
+            raise TransferError(f"the KV link's peer did not join: {e}") from e
         self._store = store  # the group reads it while it lives
         self._handshake()
 
@@ -135,28 +176,34 @@ class KVLink:
             raise TransferError(f"receiving from the peer failed: {e}") from e
 
     # -- the exchange: the decode side asks for a request's lease, the prefill side answers --
-    def request_blocks(self, request_id: str) -> None:
-        self._send_bytes(json.dumps({"request_id": request_id}).encode())
+    def request_blocks(self, request_id: str, skip: int = 0) -> None:
+        """Ask for a lease's blocks but its first `skip` (which this side holds already)."""
+        self._send_bytes(json.dumps({"request_id": request_id, "skip": skip}).encode())
 
     def recv_request(self) -> str:
-        """The next request the decode side asks for (waits up to the pairing timeout)."""
-        return self._recv_bytes(self.pair_timeout).decode()
+        """The next request the decode side asks for (waits up to the request timeout)."""
+        return self._recv_bytes(self.request_timeout).decode()
 
     def send_missing(self) -> None:
         """The answer for a lease this side no longer holds (expired, aborted)."""
         self._send(torch.tensor([-1, 0], dtype=torch.long))
 
     # -- blocks ----------------------------------------------------------------------------
-    def send_blocks(self, kv_caches: list, block_ids: list[int], num_tokens: int) -> int:
-        """Send these blocks of every layer (the prompt's first `num_tokens` tokens); returns
-        the bytes sent."""
+    @staticmethod
+    def gather_blocks(kv_caches: list, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks of every layer, as one transfer sends them."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         n = len(block_ids)  # K and V blocks are laid out differently but hold as many values
-        payload = torch.stack(
+        return torch.stack(
             [torch.stack([k[ids].reshape(n, -1), v[ids].reshape(n, -1)]) for k, v in kv_caches]
         )
-        self._send(torch.tensor([len(block_ids), num_tokens], dtype=torch.long))
-        self._send(payload.contiguous())
+
+    def send_blocks(self, payload: torch.Tensor, num_tokens: int) -> int:
+        """Send gathered blocks (holding the prompt's first `num_tokens` tokens); returns the
+        bytes sent."""
+        self._send(torch.tensor([payload.shape[2], num_tokens], dtype=torch.long))
+        if payload.numel():  # none when the decode side held every block already
+            self._send(payload.contiguous())
         return payload.numel() * payload.element_size()
 
     def recv_blocks(self, kv_caches: list, block_ids: list[int]) -> int:
@@ -169,6 +216,8 @@ class KVLink:
                                 "lease expired or was given up)")  # fmt: skip
         if count != len(block_ids):
             raise TransferError(f"the peer sent {count} blocks for {len(block_ids)} places")
+        if count == 0:
+            return num_tokens
         k0 = kv_caches[0][0]
         per_block = k0[0].numel()
         payload = torch.empty((len(kv_caches), 2, count, per_block), dtype=k0.dtype)

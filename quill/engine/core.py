@@ -16,7 +16,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from quill.contract.errors import ExecutorFailedError, InvalidRequestError
+from quill.contract.errors import ExecutorFailedError, InvalidRequestError, KVFetchError
 from quill.contract.messages import StepStats
 from quill.contract.plan import Executor, SampleLogprobs, SeqPlan, StepPlan, StepResult
 from quill.engine.admission import AdmissionControl, QueueState
@@ -47,7 +47,10 @@ class EngineCore:
         clock=None,
         step_listeners=(),
         admission: AdmissionControl | None = None,
+        recompute_failed_fetches: bool = True,
     ) -> None:
+        """`recompute_failed_fetches`: a request whose prompt KV could not be fetched from a
+        prefill instance computes its prompt here (else it fails)."""
         self.scheduler = scheduler
         self.executor = executor
         self.clock = clock or WallClock()
@@ -69,6 +72,9 @@ class EngineCore:
         self._next_step_id = 0
         self.last_step: StepStats | None = None
         self.last_plan: StepPlan | None = None  # what the last pass that ran computed
+        self.recompute_failed_fetches = recompute_failed_fetches
+        self.kv_fetch_failed: dict[str, str] = {}  # this step's failed KV fetches, by request
+        self.num_kv_recomputes = 0
 
     @property
     def max_model_len(self) -> int:
@@ -206,9 +212,15 @@ class EngineCore:
         result, ran, errors = self._execute(plan)
         end = self.clock.now()
         for request_id, error in errors.items():
+            if self.kv_fetch_failed.pop(request_id, None) and self.recompute_failed_fetches:
+                log.warning("%s; computing its prompt here instead", error)
+                self.scheduler.recompute(request_id)
+                self.num_kv_recomputes += 1
+                continue
             request = self.finish_request(request_id, "error", error=error)
             if request is not None:
                 out.finished.append(request)
+        self.kv_fetch_failed.clear()
         if ran is None:
             return out
         # Failed requests are finished by now, so `update` passes over them.
@@ -255,6 +267,16 @@ class EngineCore:
             return self.executor.execute(plan), plan, {}
         except ExecutorFailedError:  # the executor itself is gone: no retry can run
             raise
+        except KVFetchError as e:  # raised before the pass: the others run without them
+            self.kv_fetch_failed.update(e.failed)
+            rest = [s for s in plan.seqs if s.request_id not in e.failed]
+            errors = {rid: f"KV transfer failed: {why}" for rid, why in e.failed.items()}
+            if not rest:
+                self._ended_ids[:0] = plan.finished_request_ids
+                return StepResult({}, {}), None, errors
+            plan = StepPlan(plan.step_id, rest, plan.finished_request_ids)
+            result, ran, more = self._execute(plan)
+            return result, ran, {**errors, **more}
         except Exception as e:  # one bad request must not take the step, or the engine, down
             batch_error = e
         if len(plan.seqs) == 1:

@@ -16,6 +16,7 @@ compute (a step must sample from something), and computes only the rest.
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,9 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of a table already cached
         self.stats = PrefixCacheStats()
         self.leases: dict[str, KVLease] = {}  # by request id
+        # Held to take a lease away: a KV server thread copies a lease's blocks under it.
+        self.lease_lock = threading.Lock()
+        self.num_lease_expiries = 0
 
     @property
     def num_blocks(self) -> int:
@@ -170,7 +174,8 @@ class KVCacheManager:
 
     def release(self, request_id: str) -> bool:
         """Free a lease's blocks (fetched, or given up); False if there was none."""
-        lease = self.leases.pop(request_id, None)
+        with self.lease_lock:
+            lease = self.leases.pop(request_id, None)
         if lease is None:
             return False
         self.pool.free(lease.block_ids)
@@ -181,6 +186,7 @@ class KVCacheManager:
         expired = [rid for rid, lease in self.leases.items() if lease.expires_at <= now]
         for rid in expired:
             self.release(rid)
+        self.num_lease_expiries += len(expired)
         return expired
 
     def free(self, request_id: str, uncache: bool = False) -> None:

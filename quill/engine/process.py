@@ -107,6 +107,7 @@ class EngineLoop:
         self._faults: dict[str, int] = {}  # tests: site -> the call that raises
         if worker.kv_server is not None:  # a fetched lease is freed at the next step
             worker.kv_server.on_release = self._wake.set
+        self._kv_transfer_sent = None  # the last KVTransferStats sent
 
     # -- both threads ----------------------------------------------------------------------
     def send(self, message) -> None:
@@ -210,8 +211,10 @@ class EngineLoop:
             self.fail(f"engine step failed: {type(e).__name__}: {e}", fatal=False)
             time.sleep(0.01)  # a step that fails at once must not spin a core
             return
-        if out.updates or out.stats.num_batched_tokens:
+        kv_transfer = out.stats.kv_transfer  # a lease freed, a fetch failed: news without tokens
+        if out.updates or out.stats.num_batched_tokens or kv_transfer != self._kv_transfer_sent:
             self.send(out)
+            self._kv_transfer_sent = kv_transfer
 
     def fail(self, message: str, fatal: bool) -> None:
         try:

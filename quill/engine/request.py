@@ -81,6 +81,7 @@ class Request:
     # first step (quill.contract.plan.RemoteKV), then None.
     remote_kv: object | None = None
     kv_transfer: tuple[int, float] | None = None  # (bytes, seconds) of that fetch, once done
+    kv_transferred: bool = False  # it came with remote_kv (whether or not the fetch worked)
 
     def __post_init__(self) -> None:
         if self.times is None:

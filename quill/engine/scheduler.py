@@ -10,7 +10,7 @@ stays, and it is recomputed later from whatever of it is still cached.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from quill.config import SchedulingPolicy
 from quill.contract.errors import InvalidRequestError
@@ -71,6 +71,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_transferred_prompt_tokens = 0  # see KVTransferStats
 
     # -- requests in and out -------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -105,7 +106,9 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        if request.kv_lease_s is not None and reason in ("length", "stop"):
+        # Leased only when capped by its length (a prefill instance's max_tokens): one that
+        # stopped is answered whole.
+        if request.kv_lease_s is not None and reason == "length":
             expires = now + request.kv_lease_s
             request.kv_lease = self.kv.lease(request_id, request.num_computed_tokens, expires)
         else:
@@ -165,12 +168,17 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting.peek()
-            # Nothing is computed yet (preempted requests too), unless the request's KV came
-            # from elsewhere (a prefill replica): then there is nothing to look up.
+            # Nothing is computed yet (preempted requests too), unless the request's KV comes
+            # from elsewhere (a prefill instance or replica).
             computed = request.num_computed_tokens
-            cached = [] if computed else kv.find_cached_prefix(request)
+            remote = request.remote_kv
+            # Moved in by the simulator: nothing to look up.
+            cached = [] if computed and remote is None else kv.find_cached_prefix(request)
             num_cached = len(cached) * block_size
-            computed += num_cached
+            if remote is not None:  # its KV comes from a prefill instance but what is cached
+                request.remote_kv = replace(remote, num_cached_blocks=len(cached))
+            else:
+                computed += num_cached
             n = min(request.num_tokens - computed, budget)
             if not kv.allocate_slots(request, computed + n, cached):
                 break
@@ -178,12 +186,18 @@ class Scheduler:
             add_running(self.running, request, self.policy)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = computed
-            if caching and computed == num_cached:  # it was looked up (not moved in)
+            if request.kv_transferred:  # what of its prompt is computed here after all
+                self.num_transferred_prompt_tokens += max(
+                    0, len(request.prompt_token_ids) - computed
+                )
+            if caching and (remote is not None or computed == num_cached):
                 kv.record_lookup(request.num_tokens, num_cached)
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
                 request.num_cached_tokens = num_cached
-            kv.cache_blocks(request, computed + n)
+            # Fetched blocks are registered once a later step fills a block (the fetch, which
+            # runs with this step, may fail): no other request maps them before.
+            kv.cache_blocks(request, num_cached if remote is not None else computed + n)
             scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
         return out
@@ -203,6 +217,17 @@ class Scheduler:
                 return False
         return True
 
+    def recompute(self, request_id: str) -> None:
+        """Compute a running request's KV here after all (its fetch from a prefill instance
+        failed): back to the queue's front with nothing computed, its blocks forgotten."""
+        request = self.requests[request_id]
+        self.running.remove(request)
+        self.kv.free(request_id, uncache=True)
+        request.num_computed_tokens = 0
+        request.remote_kv = None
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.push_preempted(request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
@@ -220,10 +245,10 @@ class Scheduler:
         finished)."""
         advanced: list[Request] = []
         finished: list[Request] = list(out.finished)
-        done = RequestStatus.FINISHED
+        running = RequestStatus.RUNNING
         for s in out.scheduled:
             request = s.request
-            if request.status is done:  # aborted while the step ran
+            if request.status is not running:  # aborted, or sent back to recompute
                 continue
             request.num_computed_tokens += s.num_tokens
             if not s.samples:

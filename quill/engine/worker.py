@@ -16,6 +16,7 @@ from quill.contract.messages import (
     EngineInfo,
     EngineOutputs,
     EngineRequest,
+    KVTransferStats,
     RequestUpdate,
     StepPrice,
     StepStats,
@@ -64,7 +65,14 @@ class EngineWorker:
         admission = None
         if config.predict_ttft:
             admission = _make_admission(config, self.accountant, built.token_budget)
-        self.core = EngineCore(scheduler, self.runner, clock, listeners, admission)
+        self.core = EngineCore(
+            scheduler,
+            self.runner,
+            clock,
+            listeners,
+            admission,
+            recompute_failed_fetches=config.kv_transfer_failure == "recompute",
+        )
         log.info(
             "prefix caching: %s; scheduling policy: %s; TTFT prediction: %s; cost accounting: %s%s",
             "on" if config.enable_prefix_caching else "off",
@@ -127,6 +135,7 @@ class EngineWorker:
         remote = req.remote_kv
         if remote is not None:  # the prompt's KV comes from a prefill instance, with its token
             request.remote_kv = remote
+            request.kv_transferred = True
             request.output_token_ids.append(remote.first_token_id)
             request.num_computed_tokens = remote.num_tokens
         self.core.add_request(request)
@@ -191,7 +200,26 @@ class EngineWorker:
                     mfu,
                     mbu,
                 )
+        if fetcher is not None and (
+            self.kv_server is not None or fetcher.links or fetcher.num_failed
+        ):
+            stats.kv_transfer = self._kv_transfer_stats(fetcher)
         return EngineOutputs(updates, stats)
+
+    def _kv_transfer_stats(self, fetcher) -> KVTransferStats:
+        kv = self.scheduler.kv
+        server = self.kv_server
+        return KVTransferStats(
+            fetches=fetcher.num_fetched,
+            fetched_bytes=fetcher.bytes_fetched,
+            fetch_failures=fetcher.num_failed,
+            recomputes=self.core.num_kv_recomputes,
+            transferred_prompt_tokens=self.scheduler.num_transferred_prompt_tokens,
+            sends=0 if server is None else server.num_sent,
+            sent_bytes=0 if server is None else server.bytes_sent,
+            leases=len(kv.leases),
+            lease_expiries=kv.num_lease_expiries,
+        )
 
     def _take_cost(self, request_id: str):
         return None if self.accountant is None else self.accountant.take(request_id)

@@ -142,10 +142,9 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampling: list[SeqPlan] = []
         chunks: list[SeqPlan] = []
+        if any(s.kv_source is not None for s in seqs):  # prompts' KV from prefill instances
+            self.kv_fetcher.fetch_all(seqs)
         for s in seqs:
-            if s.kv_source is not None:  # its prompt's KV first, from the prefill instance
-                num_blocks = -(-s.kv_source.num_tokens // self.block_size)
-                self.kv_fetcher.fetch(s.request_id, s.kv_source, s.block_table[:num_blocks])
             input_ids.extend(s.token_ids)
             if s.is_single_query:
                 single_positions.append(s.start)

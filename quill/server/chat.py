@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -22,6 +21,7 @@ from quill.server.generation import (
     token_text,
     unless_disconnected,
 )
+from quill.server.kv_transfer import kv_transfer
 from quill.server.protocol import ChatCompletionRequest
 
 
@@ -49,16 +49,24 @@ async def create_chat_completion(
     def encode() -> list[int]:
         return req.truncate(encode_chat(tok, messages, add_gen), ctx.max_model_len)
 
+    kv = kv_transfer(ctx, req.kv_transfer_params, 1, req.num_choices, bool(req.stream))
     prompt = await asyncio.to_thread(encode)
     # No default cap for chat: the reply may run to the end of the context, as with OpenAI.
     params = [req.sampling_params(None, req.num_logprobs, j) for j in range(req.num_choices)]
-    gen = Generation(ctx, f"chatcmpl-{uuid.uuid4().hex}", arrival_time)
-    await gen.submit([prompt], params, req.scheduling())
+    scheduling = req.scheduling()
+    if kv is not None:
+        params = [kv.sampling_params(p) for p in params]
+        scheduling |= kv.scheduling()
+    gen = Generation(ctx, ctx.request_id(raw.headers, "chatcmpl"), arrival_time)
+    await gen.submit([prompt], params, scheduling)
     fmt = _Formatter(gen, model, tok, req.top_logprobs or 0)
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
         return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
-    return await unless_disconnected(raw, gen, fmt.collect)
+    reply = await unless_disconnected(raw, gen, fmt.collect)
+    if kv is not None and isinstance(reply, dict):
+        reply["kv_transfer_params"] = kv.reply(gen)
+    return reply
 
 
 class _Formatter:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -21,6 +20,7 @@ from quill.server.generation import (
     token_text,
     unless_disconnected,
 )
+from quill.server.kv_transfer import kv_transfer
 from quill.server.protocol import CompletionRequest
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -45,17 +45,25 @@ async def create_completion(
     def echo_texts() -> list[str]:  # token ids are known to be in the vocabulary by now
         return [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts]
 
-    token_prompts = await asyncio.to_thread(encode)
     n = req.num_choices
+    kv = kv_transfer(ctx, req.kv_transfer_params, len(prompts), n, bool(req.stream), req.echo)
+    token_prompts = await asyncio.to_thread(encode)
     params = [req.sampling_params(_DEFAULT_MAX_TOKENS, req.logprobs, j) for j in range(n)]
-    gen = Generation(ctx, f"cmpl-{uuid.uuid4().hex}", arrival_time)
-    await gen.submit(token_prompts, params, req.scheduling())
+    scheduling = req.scheduling()
+    if kv is not None:
+        params = [kv.sampling_params(p) for p in params]
+        scheduling |= kv.scheduling()
+    gen = Generation(ctx, ctx.request_id(raw.headers, "cmpl"), arrival_time)
+    await gen.submit(token_prompts, params, scheduling)
     echoes = await asyncio.to_thread(echo_texts) if req.echo else [""] * len(prompts)
     fmt = _Formatter(gen, model, tok, [echoes[i // n] for i in range(gen.num_choices)])
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
         return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
-    return await unless_disconnected(raw, gen, fmt.collect)
+    reply = await unless_disconnected(raw, gen, fmt.collect)
+    if kv is not None and isinstance(reply, dict):
+        reply["kv_transfer_params"] = kv.reply(gen)
+    return reply
 
 
 class _Formatter:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from quill.frontend.tokenizer import Tokenizer
@@ -25,6 +26,10 @@ class ServerContext:
     request_body_timeout: float = 30.0
     metrics_require_key: bool = False
     enable_api_docs: bool = False
+    # Disaggregation (quill/server/kv_transfer.py): "prefill", "decode" or "both" (whole
+    # requests only), and how long a prefill instance keeps a prompt's KV for its decode one.
+    role: str = "both"
+    kv_lease_s: float = 30.0
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -82,6 +87,16 @@ class ServerContext:
                 code="overloaded",
                 headers={"Retry-After": "1"},
             )
+
+    def request_id(self, headers, prefix: str) -> str:
+        """The request's id: the caller's X-Request-Id (a router's, so that one request has one
+        id on every instance), else a fresh one."""
+        given = headers.get("x-request-id")
+        if given is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not (0 < len(given) <= 128 and given.isascii() and given.isprintable()):
+            raise APIError(400, "X-Request-Id must be 1 to 128 printable ASCII characters")
+        return given
 
     def check_prompt_length(self, text: str, param: str = "prompt") -> None:
         """Refuse, before tokenizing it, a text too long to fit the context in any tokenization.

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from quill.contract.messages import StepStats
+from quill.contract.messages import KVTransferStats, StepStats
 from quill.contract.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -28,6 +28,22 @@ _STEP_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
 )  # fmt: skip
 _FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5)
+
+
+_KV_TRANSFER_COUNTERS = (  # KVTransferStats field, metric, help
+    ("fetches", "kv_transfers", "Prompts' KV received from prefill instances."),
+    ("fetched_bytes", "kv_transfer_bytes", "Bytes of prompt KV received from prefill instances."),
+    ("fetch_failures", "kv_transfer_failures", "KV fetches that failed (peer gone, timeout)."),
+    ("recomputes", "kv_recomputes", "Failed KV fetches whose prompt was computed here."),
+    (
+        "transferred_prompt_tokens",
+        "kv_transferred_prompt_tokens",
+        "Prompt tokens computed here for requests whose KV came from a prefill instance.",
+    ),
+    ("sends", "kv_sends", "Leased prompt KV sent to decode instances."),
+    ("sent_bytes", "kv_sent_bytes", "Bytes of prompt KV sent to decode instances."),
+    ("lease_expiries", "kv_lease_expiries", "Leased prompt KV freed unfetched (lease ended)."),
+)
 
 
 class ServerMetrics:
@@ -170,6 +186,15 @@ class ServerMetrics:
             )
         )
         self._prefix_seen = (0, 0)  # the engine's running totals already counted
+        # Disaggregation (quill/disagg), from the engine's running totals.
+        self._kv_counters = {
+            field: one(Counter(f"quill:{name}", doc, labels, registry=r))
+            for field, name, doc in _KV_TRANSFER_COUNTERS
+        }
+        self._kv_seen = KVTransferStats()
+        self.kv_leases = one(
+            Gauge("quill:kv_leases", "Prompt KV held for decode instances now.", labels, registry=r)
+        )
         self._success = Counter(
             "quill:request_success",
             "Finished requests by finish reason.",
@@ -213,11 +238,21 @@ class ServerMetrics:
             self.step_efficiency.observe(price.roofline_efficiency)
             self.mfu.set(price.mfu)
             self.mbu.set(price.mbu)
+        if stats.kv_transfer is not None:
+            self._on_kv_transfer(stats.kv_transfer)
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+
+    def _on_kv_transfer(self, totals: KVTransferStats) -> None:
+        for field, counter in self._kv_counters.items():
+            new = getattr(totals, field) - getattr(self._kv_seen, field)
+            if new:
+                counter.inc(new)
+        self.kv_leases.set(totals.leases)
+        self._kv_seen = totals
 
     def _on_finished(self, out: RequestOutput) -> None:
         m = out.metrics

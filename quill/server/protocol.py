@@ -97,6 +97,48 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool | None = False
 
 
+class KVTransferParams(_Lenient):
+    """Disaggregation's request field (named as vLLM's): to a prefill instance,
+    `do_remote_decode` (compute the prompt and its first token, and hold the KV for a decode
+    instance); to a decode instance, `do_remote_prefill` and where the prompt's KV is (what
+    the prefill instance's reply gave in its own `kv_transfer_params`)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_host: str | None = None
+    remote_port: int | None = Field(None, ge=1, le=65535)
+    remote_request_id: str | None = None
+    remote_block_ids: list[Count] | None = None
+    num_tokens: Count | None = None
+    first_token_id: Count | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise InvalidRequestError(
+                "kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
+                param="kv_transfer_params",
+            )
+        if self.do_remote_prefill:
+            missing = [k for k in _REMOTE_FIELDS if getattr(self, k) is None]
+            if missing:
+                raise InvalidRequestError(
+                    f"kv_transfer_params with do_remote_prefill needs {', '.join(missing)}",
+                    param="kv_transfer_params",
+                )
+        return self
+
+
+_REMOTE_FIELDS = (
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "remote_block_ids",
+    "num_tokens",
+    "first_token_id",
+)
+
+
 class _SamplingRequest(_Lenient):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
@@ -131,6 +173,8 @@ class _SamplingRequest(_Lenient):
     cache_salt: str | None = Field(None, min_length=1)
     # quill's: refuse at once (503) a request whose first token is predicted later than this.
     ttft_slo_ms: float | None = Field(None, gt=0)
+    # Disaggregation (quill serve --role, quill router).
+    kv_transfer_params: KVTransferParams | None = None
     # Accepted and ignored, as they change nothing about what is generated.
     user: str | None = None
     store: bool | None = None

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import sys
 
 import uvicorn
@@ -89,6 +90,38 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM does on 2 vCPUs); shared: both run on every core; auto: what measured faster "
         "(docs/benchmarks.md)",
     )
+    parser.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="disaggregation (quill router): prefill takes prompts in and hands their KV over "
+        "at --kv-transfer-port; decode fetches it and writes the replies; both (default) "
+        "serves whole requests only. Every role serves whole requests too.",
+    )
+    parser.add_argument(
+        "--kv-lease",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a prefill instance keeps a prompt's KV this long for its decode instance to "
+        "fetch, then frees it (default 30)",
+    )
+    local = parser.add_mutually_exclusive_group()
+    local.add_argument(
+        "--disaggregate",
+        metavar="P:D",
+        default=None,
+        help="start P prefill and D decode instances of this model on this machine, each "
+        "pinned to its share of the cores, behind a router at --host:--port",
+    )
+    local.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N whole-request instances on this machine (cores shared out) behind a "
+        "router at --host:--port",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
@@ -149,6 +182,13 @@ class QuillServer(uvicorn.Server):
                 captured.clear()
 
 
+def free_port() -> int:
+    """A port free on this host now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer:
     """Load the engine (slow) and wrap it in an app and a server; nothing is bound yet."""
     from pathlib import Path
@@ -157,7 +197,10 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
     from quill.server.engine_client import EngineClient
     from quill.server.metrics import ServerMetrics
 
-    config = EngineConfig(model=args.model, seed=args.seed, **engine_options(args))
+    options = engine_options(args)
+    if args.role == "prefill" and options["kv_transfer_port"] is None:
+        options["kv_transfer_port"] = args.port + 1 if args.port else free_port()
+    config = EngineConfig(model=args.model, seed=args.seed, **options)
     engine = EngineClient(config, log_level=args.log_level, api_core=args.api_core)
     info = engine.start_process()
     names = args.served_model_name or [args.model or Path(info.model_path).name]
@@ -174,6 +217,8 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         request_body_timeout=args.request_body_timeout,
         metrics_require_key=args.metrics_require_key,
         enable_api_docs=args.enable_api_docs,
+        role=args.role,
+        kv_lease_s=args.kv_lease,
     )
     config = uvicorn.Config(
         build_app(ctx),
@@ -196,9 +241,32 @@ def run_serve(args: argparse.Namespace) -> int:
             name = flag.replace("_", "-")
             print(f"quill serve: --{name} must be at least 1", file=sys.stderr)
             return 2
+    if not args.kv_lease > 0:
+        print("quill serve: --kv-lease must be positive seconds", file=sys.stderr)
+        return 2
+    if args.role != "prefill" and args.kv_transfer_port is not None:
+        print("quill serve: --kv-transfer-port is a prefill instance's (--role prefill)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.request_body_timeout <= 0:
         print("quill serve: --request-body-timeout must be positive", file=sys.stderr)
         return 2
+    if args.disaggregate or args.replicas:
+        if args.role != "both":
+            print("quill serve: --role is per instance; --disaggregate sets it", file=sys.stderr)
+            return 2
+        if args.replicas is not None and args.replicas < 1:
+            print("quill serve: --replicas must be at least 1", file=sys.stderr)
+            return 2
+        from quill.router.local import parse_split, run_local
+
+        try:
+            if args.disaggregate:
+                parse_split(args.disaggregate)
+        except ValueError as e:
+            print(f"quill serve: {e}", file=sys.stderr)
+            return 2
+        return run_local(args, getattr(args, "argv", [])[1:])
     print(f"quill: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     try:
         server = build_server(args)

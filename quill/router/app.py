@@ -1,0 +1,137 @@
+"""The router's HTTP app and `quill router`: the OpenAI routes, /health, /metrics, /v1/models.
+
+Bodies are passed on as they came (each instance validates its own, so a bad request gets the
+instance's 400); the router reads only what it needs to choose the route.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+
+import httpx
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from quill.router.instances import DECODE, PREFILL, WHOLE, Instances
+from quill.router.proxy import CHAT, COMPLETIONS, Router, error
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "quill_router:requests", "Requests by route: split or whole.", ["route"], registry=r
+        )
+        self.failures = Counter(
+            "quill_router:instance_failures",
+            "Requests an instance failed to answer (connection lost, refused).",
+            ["kind"],
+            registry=r,
+        )
+
+
+def build_router_app(urls: dict[str, list[str]], poll_s: float = 0.25) -> Starlette:
+    """`urls`: instance URLs by kind (prefill, decode, whole)."""
+    instances = Instances(urls, poll_s)
+    metrics = RouterMetrics()
+    # No timeout on a reply: a long one streams for minutes; connections are bounded.
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+    router = Router(instances, client, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        # Every instance's load once before the first request.
+        await asyncio.gather(*(instances.poll(client, i) for i in instances.all))
+        instances.start(client)
+        yield
+        await instances.stop()
+        await client.aclose()
+
+    def proxy(path: str):
+        async def endpoint(request: Request) -> Response:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                return error(400, f"the body is not JSON: {e}", "invalid_request_error")
+            if not isinstance(body, dict):
+                return error(400, "the body must be a JSON object", "invalid_request_error")
+            headers = {}
+            if "authorization" in request.headers:
+                headers["Authorization"] = request.headers["authorization"]
+            return await router.handle(path, body, headers)
+
+        return endpoint
+
+    async def health(request: Request) -> Response:
+        down = [i.url for i in instances.all if not i.healthy]
+        kinds = {i.kind for i in instances.all if i.healthy}
+        serving = WHOLE in kinds or DECODE in kinds
+        body = {"status": "ok" if serving else "unavailable", "unhealthy": down}
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    async def models(request: Request) -> Response:
+        first = (instances.of(DECODE) or instances.of(WHOLE))[0]
+        try:
+            r = await client.get(f"{first.url}/v1/models", headers=dict(request.headers))
+        except httpx.HTTPError as e:
+            return error(503, f"the instance {first.url} failed: {e}")
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    async def prometheus(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [
+        Route(COMPLETIONS, proxy(COMPLETIONS), methods=["POST"]),
+        Route(CHAT, proxy(CHAT), methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/health", health),
+        Route("/metrics", prometheus),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.instances = instances
+    return app
+
+
+def add_router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", nargs="+", default=[], metavar="URL",
+                        help="prefill instances (quill serve --role prefill)")  # fmt: skip
+    parser.add_argument("--decode", nargs="+", default=[], metavar="URL",
+                        help="decode instances (quill serve --role decode)")  # fmt: skip
+    parser.add_argument("--whole", nargs="+", default=[], metavar="URL",
+                        help="instances sent whole requests (no split; any role)")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--log-level", default="info")
+
+
+def check_router_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the instances asked for, or None."""
+    if args.whole and (args.prefill or args.decode):
+        return "--whole instances take every request: give them alone"
+    if not args.whole and not args.decode:
+        return "give --decode URL ... (and --prefill URL ...), or --whole URL ..."
+    return None
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """Entry point of `quill router`."""
+    problem = check_router_arguments(args)
+    if problem:
+        print(f"quill router: {problem}", flush=True)
+        return 2
+    urls = {PREFILL: args.prefill, DECODE: args.decode, WHOLE: args.whole}
+    app = build_router_app(urls)
+    print(f"quill: router at http://{args.host}:{args.port} for {_describe(urls)}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+def _describe(urls: dict[str, list[str]]) -> str:
+    return "; ".join(f"{kind} {' '.join(us)}" for kind, us in urls.items() if us)

@@ -1,0 +1,163 @@
+"""`quill serve --disaggregate P:D` (and `--replicas N`): a router and its instances on this
+machine, each instance a `quill serve` process pinned to its share of the cores.
+
+The instances get the serve command's own flags (model, engine options) and ports of their
+own; the router takes the command's --host and --port. If an instance exits, the whole stops
+with status 1 (a supervisor restarts it), never a router answering for an instance gone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from quill.router.app import build_router_app
+from quill.router.instances import DECODE, PREFILL, WHOLE
+from quill.server.serve import free_port
+
+_OWN_FLAGS = {"--disaggregate": 1, "--replicas": 1, "--port": 1, "--host": 1}
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    """'P:D' -> (P, D), each at least 1."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--disaggregate takes P:D (e.g. 1:1), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise ValueError(f"--disaggregate needs at least one of each, got {text!r}")
+    return p, d
+
+
+def share_cores(cores: list[int], n: int) -> list[set[int]]:
+    """`n` groups of these cores, as even as can be (fewer cores than groups: they share)."""
+    if len(cores) < n:
+        return [{cores[i % len(cores)]} for i in range(n)]
+    size, extra = divmod(len(cores), n)
+    groups, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        groups.append(set(cores[start:end]))
+        start = end
+    return groups
+
+
+def instance_argv(serve_argv: list[str]) -> list[str]:
+    """The serve command's flags but those of the router's own."""
+    out, skip = [], 0
+    for arg in serve_argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _OWN_FLAGS:
+            skip = 0 if "=" in arg else _OWN_FLAGS[name]
+            continue
+        out.append(arg)
+    return out
+
+
+class LocalCluster:
+    """The instance processes; `start` waits until all answer /health."""
+
+    def __init__(self, roles: list[str], serve_argv: list[str]) -> None:
+        self.roles = roles
+        self.argv = instance_argv(serve_argv)
+        self.cores = share_cores(sorted(os.sched_getaffinity(0)), len(roles))
+        self.ports = [free_port() for _ in roles]
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def start(self, timeout_s: float = 900.0) -> None:
+        for role, port, cores in zip(self.roles, self.ports, self.cores):
+            cmd = [sys.executable, "-m", "quill.cli", "serve", *self.argv, "--port", str(port)]
+            if role != WHOLE:
+                cmd += ["--role", role]
+            print(f"quill: starting a {role} instance on cores {sorted(cores)} at :{port}",
+                  flush=True)  # fmt: skip
+            self.procs.append(
+                subprocess.Popen(cmd, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c))
+            )
+        deadline = time.monotonic() + timeout_s
+        for proc, url in zip(self.procs, self.urls):
+            while True:
+                if proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"the instance at {url} exited with {proc.returncode}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the instance at {url} did not start in {timeout_s} s")
+                time.sleep(0.2)
+
+    def watch(self, on_exit) -> None:
+        """Call `on_exit(message)` from a thread when any instance exits."""
+
+        def wait(proc: subprocess.Popen, url: str) -> None:
+            code = proc.wait()
+            on_exit(f"the instance at {url} exited with {code}")
+
+        for proc, url in zip(self.procs, self.urls):
+            threading.Thread(target=wait, args=(proc, url), daemon=True).start()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def run_local(args, serve_argv: list[str]) -> int:
+    """Entry point of `quill serve --disaggregate P:D` / `--replicas N`."""
+    if args.disaggregate:
+        p, d = parse_split(args.disaggregate)
+        roles = [PREFILL] * p + [DECODE] * d
+    else:
+        roles = [WHOLE] * args.replicas
+    cluster = LocalCluster(roles, serve_argv)
+    try:
+        cluster.start()
+    except RuntimeError as e:
+        print(f"quill serve: {e}", file=sys.stderr)
+        return 1
+    urls = {PREFILL: [], DECODE: [], WHOLE: []}
+    for role, url in zip(roles, cluster.urls):
+        urls[role].append(url)
+    server = uvicorn.Server(
+        uvicorn.Config(build_router_app(urls), host=args.host, port=args.port, log_level="info")
+    )
+    failed = []
+
+    def instance_exited(message: str) -> None:
+        if not server.should_exit:
+            print(f"quill serve: {message}; stopping", file=sys.stderr, flush=True)
+            failed.append(message)
+            server.should_exit = True
+
+    cluster.watch(instance_exited)
+    print(f"quill: router at http://{args.host}:{args.port} (OpenAI API: /v1)", flush=True)
+    print("quill: ready (Ctrl-C to stop)", flush=True)
+    try:
+        server.run()
+    finally:
+        server.should_exit = True
+        cluster.stop()
+    return 1 if failed else 0

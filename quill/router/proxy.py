@@ -1,0 +1,224 @@
+"""One request through the router: whole to one instance, or split into prefill and decode.
+
+Split: the prefill instance computes the prompt and the first token and keeps the prompt's KV
+under a lease (`kv_transfer_params.do_remote_decode`); its reply says where the KV is; the
+decode instance is sent the same request with those params, fetches the KV and writes the rest
+of the reply. A streamed reply starts with the prefill instance's first token as soon as it
+has it; the decode instance's stream repeats that token's text, so as much text is cut from
+its start. One request id (X-Request-Id) names the request on the router and both instances.
+
+What the split cannot carry goes whole to one instance (a decode instance can do both phases):
+several prompts or choices, echo, logprobs (the decode instance has no logprobs for a token it
+did not sample).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from quill.router.instances import DECODE, PREFILL, WHOLE, Instance, Instances
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+_REPLACEMENT = "\ufffd"  # a token that ends inside a character: its text is not final
+
+
+def splittable(path: str, body: dict) -> bool:
+    """Whether the split can carry this request (else it goes whole to one instance)."""
+    if body.get("n") not in (None, 1) or body.get("echo") or body.get("logprobs"):
+        return False
+    if body.get("top_logprobs") or body.get("prompt_logprobs"):
+        return False
+    if (body.get("max_completion_tokens") or body.get("max_tokens")) == 1:
+        return False  # the prefill instance's reply is the whole reply
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return len(prompt) == 1
+    return True
+
+
+def error(status: int, message: str, kind: str = "server_error") -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+class Router:
+    def __init__(self, instances: Instances, client: httpx.AsyncClient, metrics) -> None:
+        self.instances = instances
+        self.client = client
+        self.metrics = metrics
+
+    def _pick(self, kind: str) -> Instance | None:
+        return self.instances.pick(kind)
+
+    async def handle(self, path: str, body: dict, headers: dict) -> Response:
+        prefix = "chatcmpl" if path == CHAT else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        headers = {**headers, "X-Request-Id": request_id}
+        whole = self.instances.of(WHOLE)
+        if whole or not splittable(path, body) or not self.instances.of(PREFILL):
+            instance = self._pick(WHOLE if whole else DECODE)
+            self.metrics.requests.labels(route="whole").inc()
+            return await self._forward(instance, path, body, headers)
+        self.metrics.requests.labels(route="split").inc()
+        return await self._split(path, body, headers)
+
+    async def _forward(self, instance: Instance, path: str, body: dict, headers: dict):
+        if body.get("stream"):
+            return StreamingResponse(
+                self._relay(instance, path, body, headers, skip=0),
+                media_type="text/event-stream",
+            )
+        return await self._post(instance, path, body, headers)
+
+    async def _post(self, instance: Instance, path: str, body: dict, headers: dict) -> Response:
+        instance.num_in_flight += 1
+        try:
+            r = await self.client.post(instance.url + path, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            self.metrics.failures.labels(kind=instance.kind).inc()
+            return error(503, f"the {instance.kind} instance {instance.url} failed: {e}")
+        finally:
+            instance.num_in_flight -= 1
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    async def _split(self, path: str, body: dict, headers: dict) -> Response:
+        prefill = self._pick(PREFILL)
+        asked = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        asked.pop("stream_options", None)
+        first = await self._post(prefill, path, asked, headers)
+        if first.status_code != 200:
+            return first  # the prefill instance's error (a 400 for bad input, a 503 ...)
+        first_reply = json.loads(first.body)
+        params = first_reply.pop("kv_transfer_params", None)
+        if params is None:  # the reply ended at its first token: it is the whole reply
+            if body.get("stream"):
+                return StreamingResponse(_as_stream(path, first_reply), "text/event-stream")
+            return JSONResponse(first_reply)
+        decode = self._pick(DECODE)
+        rest = {**body, "kv_transfer_params": {"do_remote_prefill": True, **params}}
+        if body.get("stream"):
+            return StreamingResponse(
+                self._stream(path, first_reply, decode, rest, headers),
+                media_type="text/event-stream",
+            )
+        reply = await self._post(decode, path, rest, headers)
+        if reply.status_code != 200:
+            return reply
+        whole = json.loads(reply.body)
+        whole["prefill_metrics"] = first_reply.get("metrics")
+        return JSONResponse(whole)
+
+    async def _stream(
+        self, path: str, first_reply: dict, decode: Instance, body: dict, headers: dict
+    ) -> AsyncIterator[str]:
+        text = _text(path, first_reply["choices"][0])
+        if text.endswith(_REPLACEMENT):
+            text = ""  # wait for the decode instance's text of it
+        yield _sse(_first_chunk(path, first_reply, text))
+        async for chunk in self._relay(decode, path, body, headers, skip=len(text)):
+            yield chunk
+
+    async def _relay(
+        self, instance: Instance, path: str, body: dict, headers: dict, skip: int
+    ) -> AsyncIterator[str]:
+        """An instance's stream, passed on but for its first `skip` characters of text."""
+        instance.num_in_flight += 1
+        try:
+            async with self.client.stream(
+                "POST", instance.url + path, json=body, headers=headers
+            ) as r:
+                if r.status_code != 200:
+                    content = await r.aread()
+                    yield _sse(_error_payload(r.status_code, content))
+                    yield "data: [DONE]\n\n"
+                    return
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        yield "data: [DONE]\n\n"
+                        return
+                    chunk = json.loads(data)
+                    if skip and chunk.get("choices"):
+                        skip = _cut(path, chunk["choices"][0], skip)
+                        if _empty(path, chunk["choices"][0]) and "usage" not in chunk:
+                            continue
+                    yield _sse(chunk)
+        except httpx.HTTPError as e:
+            self.metrics.failures.labels(kind=instance.kind).inc()
+            message = f"the {instance.kind} instance {instance.url} failed: {e}"
+            yield _sse({"error": {"message": message, "type": "server_error"}})
+            yield "data: [DONE]\n\n"
+        finally:
+            instance.num_in_flight -= 1
+
+
+def _text(path: str, choice: dict) -> str:
+    if path == CHAT:
+        return (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+def _cut(path: str, choice: dict, skip: int) -> int:
+    """Drop up to `skip` characters from the start of a chunk's text; how many are left."""
+    if path == CHAT:
+        delta = choice.get("delta") or {}
+        delta.pop("role", None)  # the router's first chunk had it
+        content = delta.get("content") or ""
+        cut = min(skip, len(content))
+        if "content" in delta:
+            delta["content"] = content[cut:]
+    else:
+        content = choice.get("text") or ""
+        cut = min(skip, len(content))
+        choice["text"] = content[cut:]
+    return skip - cut
+
+
+def _empty(path: str, choice: dict) -> bool:
+    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+        return False
+    return not _text(path, choice)
+
+
+def _first_chunk(path: str, reply: dict, text: str) -> dict:
+    head = {"id": reply["id"], "created": reply["created"], "model": reply["model"]}
+    if path == CHAT:
+        delta = {"role": "assistant", "content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    return {**head, "object": "text_completion", "choices": [choice | {"stop_reason": None}]}
+
+
+async def _as_stream(path: str, reply: dict) -> AsyncIterator[str]:
+    """A whole (non-streamed) reply of one choice as a stream."""
+    c = reply["choices"][0]
+    chunk = _first_chunk(path, reply, _text(path, c))
+    chunk["choices"][0]["finish_reason"] = c.get("finish_reason")
+    yield _sse(chunk)
+    yield "data: [DONE]\n\n"
+
+
+def _error_payload(status: int, content: bytes) -> dict:
+    try:
+        body = json.loads(content)
+        if "error" in body:
+            return body
+    except ValueError:
+        pass
+    return {"error": {"message": f"HTTP {status}: {content[:200]!r}", "type": "server_error"}}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
