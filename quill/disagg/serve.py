@@ -43,7 +43,8 @@ class KVServer:
         host, port = self.address
         while not self._closed:
             try:
-                link = self.listener.accept(wait_s=1.0)
+                # A long wait: each timed-out wait is a warning in torch's log.
+                link = self.listener.accept(wait_s=3600.0)
             except TransferError as e:
                 log.warning("KV link at %s:%d: a decode instance failed to pair: %s", host, port, e)
                 continue

@@ -125,6 +125,15 @@ class LocalCluster:
                 proc.kill()
 
 
+class _RouterServer(uvicorn.Server):
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:  # bound: clients may come
+            c = self.config
+            print(f"quill: router at http://{c.host}:{c.port} (OpenAI API: /v1)", flush=True)
+            print("quill: ready (Ctrl-C to stop)", flush=True)
+
+
 def run_local(args, serve_argv: list[str]) -> int:
     """Entry point of `quill serve --disaggregate P:D` / `--replicas N`."""
     if args.disaggregate:
@@ -132,6 +141,7 @@ def run_local(args, serve_argv: list[str]) -> int:
         roles = [PREFILL] * p + [DECODE] * d
     else:
         roles = [WHOLE] * args.replicas
+    port = args.port or free_port()  # 0: a free one, named in the ready line
     cluster = LocalCluster(roles, serve_argv)
     try:
         cluster.start()
@@ -141,8 +151,8 @@ def run_local(args, serve_argv: list[str]) -> int:
     urls = {PREFILL: [], DECODE: [], WHOLE: []}
     for role, url in zip(roles, cluster.urls):
         urls[role].append(url)
-    server = uvicorn.Server(
-        uvicorn.Config(build_router_app(urls), host=args.host, port=args.port, log_level="info")
+    server = _RouterServer(
+        uvicorn.Config(build_router_app(urls), host=args.host, port=port, log_level="warning")
     )
     failed = []
 
@@ -153,8 +163,6 @@ def run_local(args, serve_argv: list[str]) -> int:
             server.should_exit = True
 
     cluster.watch(instance_exited)
-    print(f"quill: router at http://{args.host}:{args.port} (OpenAI API: /v1)", flush=True)
-    print("quill: ready (Ctrl-C to stop)", flush=True)
     try:
         server.run()
     finally:

@@ -142,3 +142,34 @@ def test_engine_killed_mid_stream_fails_requests_at_once_and_the_server_exits_no
         assert served.proc.wait(timeout=30) == 1  # for a supervisor to restart it
     finally:
         served.kill()
+
+
+def test_disaggregate_serves_through_a_router_and_stops_when_an_instance_dies():
+    """`quill serve --disaggregate 1:1`: a prefill and a decode instance, each pinned to its
+    own core, behind a router; a reply goes through both; when the decode instance dies the
+    whole exits 1 at once, leaving no process behind."""
+    served = ServeProcess(*SMALL, "--disaggregate", "1:1")
+    try:
+        url = served.wait_for(r"router at (http://127\.0\.0\.1:\d+) ", timeout=300).group(1)
+        served.wait_for(r"quill: ready")
+        instances = psutil.Process(served.proc.pid).children()
+        assert len(instances) == 2
+        cores = [set(p.cpu_affinity()) for p in instances]
+        if len(os.sched_getaffinity(0)) >= 2:
+            assert not cores[0] & cores[1]  # each on its own share
+        body = {"model": "smol", "prompt": "Once upon a time", "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        with httpx.Client(base_url=url, timeout=60) as c:
+            r = c.post("/v1/completions", json=body, headers=AUTH)
+            assert r.status_code == 200, r.text
+            reply = r.json()
+            assert reply["usage"]["completion_tokens"] == 8
+            assert reply["metrics"]["kv_transfer_bytes"] > 0  # the KV moved between them
+            assert c.get("/health").status_code == 200
+        everyone = [p for i in instances for p in [i, *i.children(recursive=True)]]
+        instances[1].kill()  # the decode instance
+        assert served.proc.wait(timeout=30) == 1
+        gone, alive = psutil.wait_procs(everyone, timeout=30)
+        assert not alive
+    finally:
+        served.kill()
