@@ -31,11 +31,11 @@ def _finish(llm: LLM, request_id: str):
                 return out
 
 
-def _prefill_side(model_dir, port, prompts, queue, stay_s):
+def _prefill_side(model_dir, port, prompts, queue, stay_s, lease_s):
     llm = _engine(model_dir, kv_transfer_port=port, kv_transfer_timeout=10.0)
     first = SamplingParams(max_tokens=1, temperature=0)
     for i, prompt in enumerate(prompts):
-        llm.engine.add_request(prompt, first, f"p{i}", kv_lease_s=60.0)
+        llm.engine.add_request(prompt, first, f"p{i}", kv_lease_s=lease_s)
         queue.put(dataclasses.asdict(_finish(llm, f"p{i}").kv_transfer))
     kv = llm.engine.scheduler.kv
     deadline = time.monotonic() + stay_s
@@ -45,10 +45,10 @@ def _prefill_side(model_dir, port, prompts, queue, stay_s):
     queue.put({"leases": len(kv.leases), "free": kv.pool.num_free_blocks, "all": kv.num_blocks})
 
 
-def _start_prefill(model_dir, prompts, stay_s=60.0):
+def _start_prefill(model_dir, prompts, stay_s=60.0, lease_s=60.0):
     context = multiprocessing.get_context("spawn")
     queue, port = context.Queue(), free_port()
-    args = (model_dir, port, prompts, queue, stay_s)
+    args = (model_dir, port, prompts, queue, stay_s, lease_s)
     proc = context.Process(target=_prefill_side, args=args, daemon=True)
     proc.start()
     return proc, queue
@@ -56,15 +56,15 @@ def _start_prefill(model_dir, prompts, stay_s=60.0):
 
 def test_decode_after_prefill_elsewhere_matches_one_engine(llm, model_dir):
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompts = [PROMPT, EXACT, PROMPT]
+    prompts = [PROMPT, EXACT, PROMPT, EXACT]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     proc, queue = _start_prefill(model_dir, prompts)
     block_bytes = 30 * 2 * 3 * 16 * 64 * 4  # layers x (K + V) x KV heads x tokens x values x 4
     try:
         decode = _engine(model_dir)
         # The third prompt's 2 full blocks are in the decode engine's prefix cache by then
-        # (from the first): only its partial block is sent.
-        for i, (prompt, sent) in enumerate(zip(prompts, [3, 2, 1])):
+        # (from the first): only its partial block is sent; of the fourth, nothing.
+        for i, (prompt, sent) in enumerate(zip(prompts, [3, 2, 1, 0])):
             remote = RemoteKV(**queue.get(timeout=120))
             assert remote.num_tokens == len(prompt) and remote.first_token_id == want[i][0]
             assert len(remote.block_ids) == -(-len(prompt) // 16)
@@ -73,10 +73,10 @@ def test_decode_after_prefill_elsewhere_matches_one_engine(llm, model_dir):
             assert out.outputs[0].token_ids == want[i]
             assert out.metrics.kv_transfer_bytes == sent * block_bytes
             assert 0 < out.metrics.kv_transfer_s < 30
-            assert out.metrics.num_cached_tokens == (32 if i == 2 else 0)
+            assert out.metrics.num_cached_tokens == (32 if i >= 2 else 0)
         # The decode engine computed none of the prompts: its steps were all decodes.
         fetcher = decode.engine.worker.runner.kv_fetcher
-        assert fetcher.num_fetched == 3 and fetcher.bytes_fetched == 6 * block_bytes
+        assert fetcher.num_fetched == 4 and fetcher.bytes_fetched == 6 * block_bytes
         assert decode.engine.core.num_kv_recomputes == 0
         # The prefill engine freed both leases once fetched: its pool is idle again.
         idle = queue.get(timeout=60)
@@ -128,6 +128,32 @@ def test_a_prefill_engine_gone_is_recomputed_by_default(llm, model_dir, orphan):
     assert outs["orphan"].outputs[0].token_ids == want
     assert outs["orphan"].metrics.kv_transfer_bytes is None
     assert decode.engine.core.num_kv_recomputes == 1
+
+
+def test_aborts_before_and_after_the_fetch_leave_both_pools_idle(model_dir):
+    """Aborted before its fetch: the decode engine frees its blocks at once and the prefill
+    engine its lease when the lease ends (3 s); aborted after: both at once."""
+    proc, queue = _start_prefill(model_dir, [PROMPT, EXACT], stay_s=30.0, lease_s=3.0)
+    try:
+        decode = _engine(model_dir)
+        kv = decode.engine.scheduler.kv
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        early, late = (RemoteKV(**queue.get(timeout=120)) for _ in range(2))
+        decode.engine.add_request(PROMPT, greedy, "early", remote_kv=early)
+        decode.engine.abort_request("early")
+        decode.engine.add_request(EXACT, greedy, "late", remote_kv=late)
+        decode.engine.step()  # "early" ends unfetched; "late" fetches and decodes a token
+        assert decode.engine.worker.runner.kv_fetcher.num_fetched == 1
+        decode.engine.abort_request("late")
+        while decode.engine.has_unfinished_requests():
+            decode.engine.step()
+        assert kv.pool.num_free_blocks == kv.num_blocks
+        idle = queue.get(timeout=60)  # once the prefill engine holds no lease
+        assert idle == {"leases": 0, "free": idle["all"], "all": idle["all"]}
+        assert decode.engine.worker.runner.kv_fetcher.num_failed == 0
+    finally:
+        proc.join(30)
+        proc.kill()
 
 
 def test_remote_kv_must_fit_the_prompt(model_dir, llm):

@@ -12,7 +12,7 @@ import time
 
 from quill.contract.errors import KVFetchError
 from quill.contract.plan import RemoteKV, SeqPlan
-from quill.disagg.transfer import KVLayout, KVLink, TransferError, connect
+from quill.disagg.transfer import KVLayout, KVLink, LeaseGoneError, TransferError, connect
 
 
 class KVFetcher:
@@ -55,6 +55,9 @@ class KVFetcher:
                 link = self.links[key] = connect(*key, self.layout, self.timeout_s)
             link.request_blocks(source.request_id, source.num_cached_blocks)
             link.recv_blocks(self.runner.kv_caches, block_ids)
+        except LeaseGoneError:  # answered: the link is sound
+            self.num_failed += 1
+            raise
         except TransferError:
             self.links.pop(key, None)  # the link is in an unknown state: pair again next time
             self.num_failed += 1

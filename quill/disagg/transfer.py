@@ -32,6 +32,10 @@ class TransferError(RuntimeError):
     """The link failed (the peer is gone or timed out) or was refused at the handshake."""
 
 
+class LeaseGoneError(TransferError):
+    """The prefill side no longer holds the lease asked for; the link itself is sound."""
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """What must agree for one side's KV blocks to mean the same on the other."""
@@ -194,8 +198,12 @@ class KVLink:
         """A copy of these blocks of every layer, as one transfer sends them."""
         ids = torch.tensor(block_ids, dtype=torch.long)
         n = len(block_ids)  # K and V blocks are laid out differently but hold as many values
+        per_block = kv_caches[0][0][0].numel()
         return torch.stack(
-            [torch.stack([k[ids].reshape(n, -1), v[ids].reshape(n, -1)]) for k, v in kv_caches]
+            [
+                torch.stack([k[ids].reshape(n, per_block), v[ids].reshape(n, per_block)])
+                for k, v in kv_caches
+            ]
         )
 
     def send_blocks(self, payload: torch.Tensor, num_tokens: int) -> int:
@@ -212,8 +220,8 @@ class KVLink:
         self._recv(header)
         count, num_tokens = int(header[0]), int(header[1])
         if count < 0:
-            raise TransferError("the prefill instance no longer holds this prompt's KV (its "
-                                "lease expired or was given up)")  # fmt: skip
+            raise LeaseGoneError("the prefill instance no longer holds this prompt's KV (its "
+                                 "lease expired or was given up)")  # fmt: skip
         if count != len(block_ids):
             raise TransferError(f"the peer sent {count} blocks for {len(block_ids)} places")
         if count == 0:

@@ -195,8 +195,8 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
                 request.num_cached_tokens = num_cached
-            # Fetched blocks are registered once a later step fills a block (the fetch, which
-            # runs with this step, may fail): no other request maps them before.
+            # Fetched blocks are registered once fetched (the engine worker does it: the fetch,
+            # which runs with this step, may fail): no other request maps them before.
             kv.cache_blocks(request, num_cached if remote is not None else computed + n)
             scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
