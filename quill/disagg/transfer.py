@@ -195,8 +195,9 @@ class KVLink:
     # -- blocks ----------------------------------------------------------------------------
     @staticmethod
     def gather_blocks(kv_caches: list, block_ids: list[int]) -> torch.Tensor:
-        """A copy of these blocks of every layer, as one transfer sends them."""
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        """A copy of these blocks of every layer, as one transfer sends them (in host memory:
+        gloo moves host tensors; a CUDA cache is staged through it)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
         n = len(block_ids)  # K and V blocks are laid out differently but hold as many values
         per_block = kv_caches[0][0][0].numel()
         return torch.stack(
@@ -204,7 +205,7 @@ class KVLink:
                 torch.stack([k[ids].reshape(n, per_block), v[ids].reshape(n, per_block)])
                 for k, v in kv_caches
             ]
-        )
+        ).cpu()
 
     def send_blocks(self, payload: torch.Tensor, num_tokens: int) -> int:
         """Send gathered blocks (holding the prompt's first `num_tokens` tokens); returns the
@@ -230,7 +231,8 @@ class KVLink:
         per_block = k0[0].numel()
         payload = torch.empty((len(kv_caches), 2, count, per_block), dtype=k0.dtype)
         self._recv(payload)
-        ids = torch.tensor(block_ids, dtype=torch.long)
+        payload = payload.to(k0.device)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
         for layer, (k, v) in enumerate(kv_caches):
             k[ids] = payload[layer, 0].view(count, *k.shape[1:])
             v[ids] = payload[layer, 1].view(count, *v.shape[1:])
