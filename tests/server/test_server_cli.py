@@ -76,16 +76,17 @@ LONG_STREAM = {
 }
 
 
-def stream_and_kill(c: httpx.Client, victim: psutil.Process) -> tuple[list[str], float]:
-    """Stream LONG_STREAM, SIGKILL `victim` at the third event (as the out-of-memory killer
-    would); the events, and the seconds from the kill to the stream's end."""
+def stream_and_kill(c: httpx.Client, kill) -> tuple[list[str], float]:
+    """Stream LONG_STREAM, call `kill()` at the third event (a signal, or SIGKILL as the
+    out-of-memory killer would); the events, and the seconds from the kill to the stream's
+    end."""
     events = []
     with c.stream("POST", "/v1/chat/completions", json=LONG_STREAM, headers=AUTH) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 events.append(line)
             if len(events) == 3:
-                victim.kill()
+                kill()
                 killed = time.monotonic()
     return events, time.monotonic() - killed
 
@@ -100,20 +101,7 @@ def test_serve_starts_and_stops_cleanly(sig):
         with httpx.Client(base_url=url, timeout=60) as c:
             assert c.get("/v1/models").status_code == 401  # the key came from QUILL_API_KEY
             assert [m["id"] for m in c.get("/v1/models", headers=auth).json()["data"]] == ["smol"]
-            body = {
-                "model": "smol",
-                "messages": [{"role": "user", "content": "Tell me a long story."}],
-                "max_tokens": 1000,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            events = []
-            with c.stream("POST", "/v1/chat/completions", json=body, headers=auth) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data:"):
-                        events.append(line)
-                    if len(events) == 3:
-                        served.proc.send_signal(sig)  # mid-stream
+            events, _ = stream_and_kill(c, lambda: served.proc.send_signal(sig))  # mid-stream
             # The stream ended by itself: aborted, then [DONE].
             assert events[-1] == "data: [DONE]"
             assert '"finish_reason":"abort"' in events[-2]
@@ -130,7 +118,7 @@ def test_engine_killed_mid_stream_fails_requests_at_once_and_the_server_exits_no
         url = served.ready()
         engine = served.engine()
         with httpx.Client(base_url=url, timeout=60) as c:
-            events, ended = stream_and_kill(c, engine)
+            events, ended = stream_and_kill(c, engine.kill)
             # The stream ended at once with an error event naming the engine, then [DONE].
             assert events[-1] == "data: [DONE]"
             assert '"error"' in events[-2] and "engine process died" in events[-2]

@@ -35,7 +35,7 @@ def test_tp3_serves_the_one_rank_text_and_a_killed_rank_stops_the_server(llm):
         assert [c.text for c in resp.choices] == want
         rank = ranks[-1]
         with httpx.Client(base_url=url, timeout=60) as c:
-            events, ended = stream_and_kill(c, rank)
+            events, ended = stream_and_kill(c, rank.kill)
             assert ended < 5
             assert events[-1] == "data: [DONE]"
             assert '"error"' in events[-2] and "tensor-parallel" in events[-2], events[-2]
