@@ -7,12 +7,13 @@ was initialised with (gloo on the CPU, NCCL on CUDA, with a gloo group for the p
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from quill.distributed.ports import free_port  # noqa: F401 - the ranks' rendezvous port
 
 
 @dataclass
@@ -64,12 +65,6 @@ class TensorParallel:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def join_group(

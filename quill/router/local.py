@@ -17,9 +17,9 @@ import time
 import httpx
 import uvicorn
 
+from quill.distributed.ports import free_port
 from quill.router.app import build_router_app
 from quill.router.instances import DECODE, PREFILL, WHOLE
-from quill.server.serve import free_port
 
 _OWN_FLAGS = {"--disaggregate": 1, "--replicas": 1, "--port": 1, "--host": 1}
 

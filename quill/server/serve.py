@@ -15,11 +15,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import sys
 
 import uvicorn
 
+from quill.distributed.ports import free_port
 from quill.engine_args import add_engine_arguments, engine_options, parse_bytes
 from quill.server.app import build_app
 from quill.server.context import ServerContext
@@ -180,13 +180,6 @@ class QuillServer(uvicorn.Server):
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
                 captured.clear()
-
-
-def free_port() -> int:
-    """A port free on this host now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer:
