@@ -82,6 +82,8 @@ class LocalCluster:
             cmd = [sys.executable, "-m", "quill.cli", "serve", *self.argv, "--port", str(port)]
             if role != WHOLE:
                 cmd += ["--role", role]
+            if role == PREFILL:  # its own free port, not the HTTP port + 1 (another's, maybe)
+                cmd += ["--kv-transfer-port", str(free_port())]
             print(f"quill: starting a {role} instance on cores {sorted(cores)} at :{port}",
                   flush=True)  # fmt: skip
             self.procs.append(

@@ -56,16 +56,13 @@ class Router:
         self.client = client
         self.metrics = metrics
 
-    def _pick(self, kind: str) -> Instance | None:
-        return self.instances.pick(kind)
-
     async def handle(self, path: str, body: dict, headers: dict) -> Response:
         prefix = "chatcmpl" if path == CHAT else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         headers = {**headers, "X-Request-Id": request_id}
         whole = self.instances.of(WHOLE)
         if whole or not splittable(path, body) or not self.instances.of(PREFILL):
-            instance = self._pick(WHOLE if whole else DECODE)
+            instance = self.instances.pick(WHOLE if whole else DECODE)
             self.metrics.requests.labels(route="whole").inc()
             return await self._forward(instance, path, body, headers)
         self.metrics.requests.labels(route="split").inc()
@@ -91,7 +88,7 @@ class Router:
         return Response(r.content, r.status_code, media_type="application/json")
 
     async def _split(self, path: str, body: dict, headers: dict) -> Response:
-        prefill = self._pick(PREFILL)
+        prefill = self.instances.pick(PREFILL)
         asked = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         asked.pop("stream_options", None)
         first = await self._post(prefill, path, asked, headers)
@@ -103,7 +100,7 @@ class Router:
             if body.get("stream"):
                 return StreamingResponse(_as_stream(path, first_reply), "text/event-stream")
             return JSONResponse(first_reply)
-        decode = self._pick(DECODE)
+        decode = self.instances.pick(DECODE)
         rest = {**body, "kv_transfer_params": {"do_remote_prefill": True, **params}}
         if body.get("stream"):
             return StreamingResponse(
