@@ -10,14 +10,17 @@ does. Each injection draws one fault (seeded):
   fetch of a long prompt (before, during or after the transfer); it is started again after;
 - lease_expired: the lease ends (0.3 s) before the decode engine asks;
 - never_asks: a lease no decode engine fetches (as when the decode instance dies): it must end;
-- abort_before / abort_after: the decode request is aborted before or after its fetch step;
+- abort_before / abort_during / abort_after: the decode request is aborted before its fetch
+  starts, right after the step that starts it (the fetch in flight: the decode engine must
+  hold the blocks until it ends), or once the request decodes;
 - fail_mode: the decode engine's failure flag alternates between recompute and fail.
 
 Checked after each: the decode engine finished within the transfer timeout + 10 s (no hang);
 a request that finished by length has exactly the tokens the decode engine computes for the
 whole request alone (no wrong-token success); a request that failed did so only where a fetch
 could fail and the flag says fail; both pools are back to idle (no leak), the prefill pool once
-its lease could have ended. Usage:
+its lease could have ended (the decode pool once the engine has nothing left, fetches of
+aborted requests included). Usage:
 
     .venv/bin/python benchmarks/bench_disagg_faults.py [--injections 200] [--seed 0]
         [--json docs/results/bench_disagg_faults.json]
@@ -52,7 +55,8 @@ PROMPTS = {
     "48": list(range(5000, 5048)),
     "long": [(7 * i) % 30000 + 100 for i in range(700)],  # ~32 MB of fp32 KV to move
 }
-FAULTS = ["none", "kill_prefill", "lease_expired", "never_asks", "abort_before", "abort_after"]
+FAULTS = ["none", "kill_prefill", "lease_expired", "never_asks", "abort_before", "abort_during",
+          "abort_after"]  # fmt: skip
 _FETCH_FAULTS = ("kill_prefill", "lease_expired")  # a fetch can fail in these
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -152,11 +156,14 @@ def main() -> int:
     }
     counts, problems, outcomes = Counter(), [], Counter()
     worst_s = 0.0
+    in_flight = 0  # abort_during injections whose fetch was still running at the abort
     for i in range(args.injections):
         fault = rng.choice(FAULTS)
         mode = rng.choice(["recompute", "fail"])
         decode = decodes[mode]
-        name = "long" if fault == "kill_prefill" else rng.choice(["16", "32", "43", "48"])
+        # A long prompt where the fault is to strike while its KV is on the way.
+        long = fault in ("kill_prefill", "abort_during")
+        name = "long" if long else rng.choice(["16", "32", "43", "48"])
         prompt = PROMPTS[name]
         rid = f"i{i}"
         # Short leases where the lease is to end (and must be waited out).
@@ -180,10 +187,21 @@ def main() -> int:
             killer.start()
         if fault == "abort_before":
             decode.engine.abort_request(rid)
+        if fault == "abort_during":
+            decode.engine.step()  # starts the fetch (and waits 50 ms for it: not enough)
+            in_flight += rid in decode.engine.scheduler.fetching
+            decode.engine.abort_request(rid)
         if fault == "abort_after":
-            decode.engine.step()
+            while not any(o.request_id == rid for o in decode.engine.step()):
+                pass  # until it decodes a token (or ends)
             decode.engine.abort_request(rid)
         out, seconds = _run(decode, rid, TIMEOUT_S + 10)
+        drain_start = time.monotonic()  # an aborted request's fetch may still be running
+        while decode.engine.has_unfinished_requests():
+            decode.engine.step()
+            if time.monotonic() - drain_start > TIMEOUT_S + 10:
+                problems.append((i, fault, "a fetch never ended"))
+                break
         worst_s = max(worst_s, seconds)
         if killer is not None:
             killer.join()
@@ -220,6 +238,7 @@ def main() -> int:
         "wrong_tokens": sum(1 for p in problems if p[2] == "wrong tokens"),
         "leaks": sum(1 for p in problems if "leaked" in p[2]),
         "slowest_s": round(worst_s, 3),
+        "abort_during_in_flight": in_flight,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
     if args.json:

@@ -130,27 +130,40 @@ def test_a_prefill_engine_gone_is_recomputed_by_default(llm, model_dir, orphan):
     assert decode.engine.core.num_kv_recomputes == 1
 
 
-def test_aborts_before_and_after_the_fetch_leave_both_pools_idle(model_dir):
+def test_aborts_before_during_and_after_the_fetch_leave_both_pools_idle(model_dir):
     """Aborted before its fetch: the decode engine frees its blocks at once and the prefill
-    engine its lease when the lease ends (3 s); aborted after: both at once."""
-    proc, queue = _start_prefill(model_dir, [PROMPT, EXACT], stay_s=30.0, lease_s=3.0)
+    engine its lease when the lease ends (3 s); aborted while its fetch runs: the decode
+    engine keeps the blocks until the fetch ends (it writes them), then frees them; aborted
+    after: both at once."""
+    during_prompt = list(range(4000, 4200))  # 200 tokens: a fetch long enough to abort in
+    proc, queue = _start_prefill(model_dir, [PROMPT, during_prompt, EXACT], stay_s=30.0,
+                                 lease_s=3.0)  # fmt: skip
     try:
         decode = _engine(model_dir)
         kv = decode.engine.scheduler.kv
+        fetcher = decode.engine.worker.runner.kv_fetcher
         greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-        early, late = (RemoteKV(**queue.get(timeout=120)) for _ in range(2))
+        early, during, late = (RemoteKV(**queue.get(timeout=120)) for _ in range(3))
         decode.engine.add_request(PROMPT, greedy, "early", remote_kv=early)
         decode.engine.abort_request("early")
+        decode.engine.add_request(during_prompt, greedy, "during", remote_kv=during)
+        outs = {o.request_id: o for o in decode.engine.step()}  # "during"'s fetch starts
+        assert outs["early"].finished and kv.pool.num_free_blocks < kv.num_blocks
+        decode.engine.abort_request("during")
         decode.engine.add_request(EXACT, greedy, "late", remote_kv=late)
-        decode.engine.step()  # "early" ends unfetched; "late" fetches and decodes a token
-        assert decode.engine.worker.runner.kv_fetcher.num_fetched == 1
+        deadline = time.monotonic() + 30
+        while fetcher.num_fetched < 2:  # "during"'s fetch and "late"'s end, in order
+            decode.engine.step()
+            assert time.monotonic() < deadline
+        while not decode.engine.scheduler.running:  # "late" joins once its fetch is collected
+            decode.engine.step()
         decode.engine.abort_request("late")
         while decode.engine.has_unfinished_requests():
             decode.engine.step()
         assert kv.pool.num_free_blocks == kv.num_blocks
         idle = queue.get(timeout=60)  # once the prefill engine holds no lease
         assert idle == {"leases": 0, "free": idle["all"], "all": idle["all"]}
-        assert decode.engine.worker.runner.kv_fetcher.num_failed == 0
+        assert fetcher.num_failed == 0
     finally:
         proc.join(30)
         proc.kill()

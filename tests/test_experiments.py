@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from quill.bench.experiments import batching, cost, interference, load, reading
+from quill.bench.experiments import batching, cost, interference, load, reading, split
 from quill.bench.experiments.report import Section, Table, render_report
 from quill.bench.experiments.scenario import Script, SimSide, play, stream_ids
 from quill.bench.experiments.stats import (
@@ -289,16 +289,41 @@ def fake_results() -> dict[str, dict]:
             for r, f in ((0.5, 0.5), (1.2, 1.2))
         ],
     }
+    side_numbers = {
+        "streams_itl_p50_s": 0.08,
+        "streams_itl_p99_s": 1.5,
+        "streams_longest_stall_s": 1.7,
+        "long_ttft_mean_s": 13.0,
+        "long_ttft_max_s": 16.0,
+        "all_itl_p50_s": 0.08,
+        "all_itl_p99_s": 1.5,
+        "all_itl_max_s": 1.7,
+        "timeline": [[0.1, 0.08], [0.5, 1.5]],
+    }
+    simulated = {k: v for k, v in side_numbers.items() if k.startswith(("all", "long_ttft_max"))}
+    split_result = {
+        "workload": [["s0", 0.0, 32, 256], ["new0", 4.0, 2000, 16]],
+        "rounds": 2,
+        "measured": {
+            "colocated": side_numbers,
+            "split": side_numbers | {"streams_itl_p99_s": 0.6, "all_itl_p99_s": 0.6},
+        },
+        "kv_transfers": [{"bytes": 46e6, "seconds": 0.5}],
+        "kv_transfer_rate": 92e6,
+        "simulated": {"colocated": simulated, "split": simulated | {"all_itl_p99_s": 0.66}},
+        "hardware_file": "one-core.json",
+    }
     return {
         "reading": read,
         "batching": batch,
         "cost": costs,
         "interference": inter,
+        "split": split_result,
         "load": loaded,
     }
 
 
-@pytest.mark.parametrize("module", [reading, batching, cost, interference, load])
+@pytest.mark.parametrize("module", [reading, batching, cost, interference, split, load])
 def test_each_experiment_describes_its_numbers(module):
     section = module.describe(fake_results()[module.NAME])
     assert section.title == module.TITLE
@@ -320,7 +345,7 @@ def test_report_from_stored_results(tmp_path):
     doc = tmp_path / "experiments.md"
     write_report({"date": "d", "command": "c"}, doc, out)
     text = doc.read_text()
-    for number, module in enumerate([reading, batching, cost, interference, load], 1):
+    for number, module in enumerate([reading, batching, cost, interference, split, load], 1):
         assert f"## {number}. {module.TITLE}" in text
     assert "(figures/experiments/reading.png)" in text
     # Numbers in a format this version cannot read leave a pointer, not a crash.

@@ -57,7 +57,7 @@ def _decode(runner, table, first):
 
 
 def _prefill_side(model_dir, port, queue, kv_cache_dtype, num_peers=1):
-    from quill.disagg.transfer import KVLayout, KVLink, KVListener
+    from quill.disagg.transfer import KVLayout, KVListener
 
     runner = _runner(model_dir, kv_cache_dtype)
     table = [5, 2, 9, 11]  # room for the prompt and the decode steps; not the decode side's ids
@@ -68,7 +68,7 @@ def _prefill_side(model_dir, port, queue, kv_cache_dtype, num_peers=1):
             link = None
             while link is None:
                 link = listener.accept(wait_s=1.0)
-            payload = KVLink.gather_blocks(runner.kv_caches, table[:3])
+            payload = link.gather_blocks(runner.kv_caches, table[:3])
             queue.put(("sent", first, link.send_blocks(payload, len(PROMPT))))
         except Exception as e:  # noqa: BLE001 - the test reads what happened
             queue.put(("error", str(e), 0))

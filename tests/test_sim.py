@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -107,6 +108,52 @@ def test_disaggregated_request_pays_for_its_kv_transfer():
     assert out["kv_transfer_ms"]["mean"] == pytest.approx(transfer * 1000)
     assert r["itl_ms"]["max"] == pytest.approx((transfer + decode[0]) * 1000)  # first gap
     assert r["e2e_ms"]["mean"] == pytest.approx((prefill + transfer + sum(decode)) * 1000)
+
+
+def test_fetches_run_beside_the_steps_and_skip_blocks_cached_on_the_decode_side():
+    """The decode replica fetches a moved prompt's KV beside its steps (as the engine's fetcher
+    thread does): the streams decoding there do not wait for it, the request decodes once its
+    KV is in, and blocks the decode replica's own prefix cache holds are not fetched."""
+    from quill.contract.plan import RemoteKV
+
+    model = ModelSpec.preset("SmolLM2-135M")
+    cost = CostModel(model, TOY)
+    per_token = model.kv_bytes_per_token / TOY.interconnect_bandwidth
+    remote = RemoteKV("h", 1, "p", list(range(7)), 100, 5, num_cached_blocks=4)
+    assert remote.num_tokens_to_fetch == 42  # 100 tokens x 3 of 7 blocks
+    assert cost.kv_fetch_seconds(42) == pytest.approx(42 * per_token)
+
+    # Two prompts sharing 64 tokens (4 blocks), the second after the first is done: the
+    # decode replica registered the first's fetched blocks, so it fetches 100 x 3 of 7 blocks.
+    work = [WorkItem("0", 0.0, 100, 3, "sys", 64), WorkItem("1", 1.0, 100, 3, "sys", 64)]
+    for caching, second in ((True, 42), (False, 100)):
+        config = SimConfig.create(model, TOY, max_model_len=1024, enable_prefix_caching=caching)
+        fetched = run_disaggregated(config, work, 1, 1)["kv_transfer_ms"]
+        assert fetched["count"] == 2
+        assert fetched["max"] == pytest.approx(100 * per_token * 1000)
+        assert fetched["mean"] == pytest.approx((100 + second) / 2 * per_token * 1000)
+
+    # A stream decoding on the decode replica while a long prompt's KV crosses a slow link.
+    slow = replace(TOY, name="slow link", interconnect_bandwidth=1e8)
+    config = SimConfig.create(model, slow, max_model_len=4096)
+    work = [WorkItem("s", 0.0, 16, 3000), WorkItem("long", 0.05, 2000, 2)]
+    out = run_disaggregated(config, work, 1, 1)
+    transfer = model.kv_bytes_per_token * 2000 / 1e8
+    step = CostModel(model, slow).price(BatchShape.decodes(2, 2001)).predicted_s
+    assert out["kv_transfer_ms"]["max"] == pytest.approx(transfer * 1000)
+    itl = out["results"]["itl_ms"]
+    assert itl["p99"] < 2 * step * 1000  # the stream's gaps stay steps (3,000 of 3,001)
+    # The newcomer's one gap: its KV's transfer and the steps around its end.
+    assert transfer * 1000 < itl["max"] < (transfer + 3 * step) * 1000
+
+    # The same with the fetch sharing the decode replica's cores with its steps: while both
+    # run each goes at half speed, so the fetch takes twice as long, and the stream (decoding
+    # throughout it) does the transfer's worth less work in that time: it ends that much later.
+    shared = SimConfig.create(model, slow, max_model_len=4096, fetch_shares_cores=True)
+    both = run_disaggregated(shared, work, 1, 1)
+    assert both["kv_transfer_ms"]["max"] == pytest.approx(2 * transfer * 1000, rel=0.01)
+    later = both["results"]["e2e_ms"]["max"] - out["results"]["e2e_ms"]["max"]
+    assert later == pytest.approx(transfer * 1000, abs=2 * step * 1000)
 
 
 def test_disaggregation_serves_everyone_and_reports_both(capsys):

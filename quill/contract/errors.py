@@ -34,16 +34,5 @@ class ExecutorFailedError(QuillError):
     the engine stops rather than retry the step."""
 
 
-class KVFetchError(QuillError):
-    """Prompt KV could not be fetched from a prefill instance (gone, timed out, lease ended)
-    for the requests in `failed` (request id -> why); raised by an executor before its pass,
-    with the other requests' fetches done, so the engine core can fail or recompute those
-    requests alone and run the rest."""
-
-    def __init__(self, failed: dict[str, str]) -> None:
-        super().__init__("; ".join(f"{rid}: {why}" for rid, why in failed.items()))
-        self.failed = failed
-
-
 class EngineDeadError(QuillError):
     """The engine process is gone (crashed, killed, out of memory): nothing more is served."""

@@ -29,6 +29,25 @@ class RemoteKV:
     # Set by the decode instance: its leading blocks found in its own prefix cache, not sent.
     num_cached_blocks: int = 0
 
+    @property
+    def num_tokens_to_fetch(self) -> int:
+        """The prompt tokens a fetch moves: those of its blocks past the ones cached here
+        (counted by tokens, so a partly filled last block counts its tokens only)."""
+        blocks = len(self.block_ids)
+        return self.num_tokens * (blocks - self.num_cached_blocks) // blocks if blocks else 0
+
+
+@dataclass
+class KVFetch:
+    """Start fetching a request's prompt KV from a prefill instance into its blocks here.
+
+    The executor fetches beside the steps that follow (the request takes no part in them) and
+    reports the outcome in the result of a later step; the request decodes once it is in."""
+
+    request_id: str
+    block_table: list[int]  # the request's blocks here: the prompt's come first
+    source: RemoteKV
+
 
 @dataclass(slots=True)
 class SeqPlan:
@@ -49,9 +68,6 @@ class SeqPlan:
     token_bitmask: bytes | None = None
     # Tokens guessed ahead for the sampler to verify (speculative decoding); None: none.
     draft_token_ids: list[int] | None = None
-    # Disaggregation: fetch the prompt's KV from a prefill instance into the first blocks of
-    # `block_table` before the pass (set on the request's first step on a decode instance).
-    kv_source: RemoteKV | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +106,9 @@ class StepPlan:
     seqs: list[SeqPlan]
     # Requests that ended since the previous plan: executors drop any state they keep for them.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Prompt KV to start fetching from prefill instances (a plan may hold only these, and no
+    # sequences: then the executor waits a little for fetches to end, and reports them).
+    kv_fetches: list[KVFetch] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -136,6 +155,10 @@ class StepResult:
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    # Fetches (KVFetch) that ended since the last result: (bytes, seconds) of each that
+    # arrived, and why each that failed did.
+    kv_fetched: dict[str, tuple[int, float]] = field(default_factory=dict)
+    kv_fetch_failed: dict[str, str] = field(default_factory=dict)
 
 
 class Executor(Protocol):

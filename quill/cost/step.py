@@ -112,6 +112,8 @@ class CostModel:
         else:
             self._comm_per_token = 0
             self._inv_interconnect = 0.0
+        link = hardware.interconnect_bandwidth
+        self._inv_link = 1.0 / link if link else None  # per device: each fetches its KV share
         self._inv_flops = 1.0 / self.peak_flops
         self._inv_bandwidth = 1.0 / hardware.memory_bandwidth
         self._overhead = hardware.step_overhead_s
@@ -189,6 +191,13 @@ class CostModel:
             bound,
             linear_effective,
         )
+
+    def kv_fetch_seconds(self, num_tokens: int) -> float:
+        """Moving `num_tokens` tokens' KV cache from a prefill replica over the interconnect
+        (each device its share, at once). Not part of any step: the fetch runs beside them."""
+        if self._inv_link is None:
+            raise ValueError(f"a KV fetch needs the interconnect bandwidth of {self.hardware.name}")
+        return self._kv_per_token * num_tokens * self._inv_link
 
     # -- memory ----------------------------------------------------------------------------
     def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> float:

@@ -13,6 +13,10 @@ layout read as another would be wrong tokens, not an error.
 A transfer sends the listed blocks of every layer's K and V cache as one tensor, after a
 header (the block count and the tokens they hold); the receiver writes them into blocks of its
 own pool, which need not have the same ids. Every wait is bounded by the link's timeout.
+Headers and requests always go over gloo. When the two caches are on two different CUDA
+devices the blocks themselves go device to device over a second, NCCL group of the pair
+(gathered on the device, never staged through host memory); otherwise (CPU, or both on one
+GPU, where NCCL refuses two ranks) through host memory over gloo.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class KVLayout:
     head_dim: int
     k_block_shape: tuple[int, ...]  # one block of one layer's K cache
     v_block_shape: tuple[int, ...]
+    # Where the cache lives ("cpu", or "cuda:" and the GPU's UUID): not compared (any two
+    # pair); it decides how the blocks move.
+    device: str = "cpu"
 
     @staticmethod
     def of(runner, model_name: str) -> KVLayout:
@@ -65,11 +72,19 @@ class KVLayout:
             c.head_dim,
             tuple(k.shape[1:]),
             tuple(v.shape[1:]),
+            _device_name(k.device),
         )
 
     def differences(self, other: KVLayout) -> list[str]:
         mine, theirs = asdict(self), asdict(other)
+        del mine["device"], theirs["device"]
         return [f"{k}: {mine[k]!r} here, {theirs[k]!r} there" for k in mine if mine[k] != theirs[k]]
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
 
 
 class KVListener:
@@ -135,9 +150,25 @@ class KVLink:
         except Exception as e:  # noqa: BLE001 - the peer never joined: a clear error, no hang
             raise TransferError(f"the KV link's peer did not join: {e}") from e
         self._store = store  # the group reads it while it lives
-        self._handshake()
+        self.data_group = None  # the NCCL group for the blocks, when both sides are on CUDA
+        peer_layout = self._handshake()
+        mine, theirs = layout.device, peer_layout.device
+        if mine.startswith("cuda:") and theirs.startswith("cuda:") and mine != theirs:
+            self.data_group = self._nccl_group(store, pair)
 
-    def _handshake(self) -> None:
+    def _nccl_group(self, store: dist.Store, pair: int):
+        """The pair's NCCL group for device-to-device block transfers."""
+        if not dist.is_nccl_available():
+            return None  # a CPU-only build of torch: the blocks go through host memory
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = self.timeout
+        try:
+            nccl_store = dist.PrefixStore(f"pair{pair}/nccl/", store)
+            return dist.ProcessGroupNCCL(nccl_store, self.role, 2, options)
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"the KV link's NCCL group failed: {e}") from e
+
+    def _handshake(self) -> KVLayout:
         mine = json.dumps(asdict(self.layout)).encode()
         theirs = self._exchange(mine)
         other = json.loads(theirs)
@@ -146,6 +177,7 @@ class KVLink:
         differ = self.layout.differences(other)
         if differ:
             raise TransferError(f"the peer's KV cache differs: {'; '.join(differ)}")
+        return other
 
     def _exchange(self, data: bytes) -> bytes:
         """Send `data` to the peer and receive its own (prefill sends first)."""
@@ -167,15 +199,15 @@ class KVLink:
         self._recv(data)
         return data.numpy().tobytes()
 
-    def _send(self, t: torch.Tensor) -> None:
+    def _send(self, t: torch.Tensor, group=None) -> None:
         try:
-            self.group.send([t], self.peer, 0).wait(self.timeout)
+            (group or self.group).send([t], self.peer, 0).wait(self.timeout)
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"sending to the peer failed: {e}") from e
 
-    def _recv(self, t: torch.Tensor, timeout: timedelta | None = None) -> None:
+    def _recv(self, t: torch.Tensor, timeout: timedelta | None = None, group=None) -> None:
         try:
-            self.group.recv([t], self.peer, 0).wait(timeout or self.timeout)
+            (group or self.group).recv([t], self.peer, 0).wait(timeout or self.timeout)
         except Exception as e:  # noqa: BLE001
             raise TransferError(f"receiving from the peer failed: {e}") from e
 
@@ -193,26 +225,27 @@ class KVLink:
         self._send(torch.tensor([-1, 0], dtype=torch.long))
 
     # -- blocks ----------------------------------------------------------------------------
-    @staticmethod
-    def gather_blocks(kv_caches: list, block_ids: list[int]) -> torch.Tensor:
-        """A copy of these blocks of every layer, as one transfer sends them (in host memory:
-        gloo moves host tensors; a CUDA cache is staged through it)."""
+    def gather_blocks(self, kv_caches: list, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks of every layer, as one transfer sends them: on the device
+        for the NCCL group, else in host memory (gloo moves host tensors; a CUDA cache is
+        staged through it)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
         n = len(block_ids)  # K and V blocks are laid out differently but hold as many values
         per_block = kv_caches[0][0][0].numel()
-        return torch.stack(
+        payload = torch.stack(
             [
                 torch.stack([k[ids].reshape(n, per_block), v[ids].reshape(n, per_block)])
                 for k, v in kv_caches
             ]
-        ).cpu()
+        )
+        return payload if self.data_group is not None else payload.cpu()
 
     def send_blocks(self, payload: torch.Tensor, num_tokens: int) -> int:
         """Send gathered blocks (holding the prompt's first `num_tokens` tokens); returns the
         bytes sent."""
         self._send(torch.tensor([payload.shape[2], num_tokens], dtype=torch.long))
         if payload.numel():  # none when the decode side held every block already
-            self._send(payload.contiguous())
+            self._send(payload.contiguous(), self.data_group)
         return payload.numel() * payload.element_size()
 
     def recv_blocks(self, kv_caches: list, block_ids: list[int]) -> int:
@@ -229,8 +262,9 @@ class KVLink:
             return num_tokens
         k0 = kv_caches[0][0]
         per_block = k0[0].numel()
-        payload = torch.empty((len(kv_caches), 2, count, per_block), dtype=k0.dtype)
-        self._recv(payload)
+        on = k0.device if self.data_group is not None else "cpu"
+        payload = torch.empty((len(kv_caches), 2, count, per_block), dtype=k0.dtype, device=on)
+        self._recv(payload, group=self.data_group)
         payload = payload.to(k0.device)
         ids = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
         for layer, (k, v) in enumerate(kv_caches):
@@ -239,5 +273,5 @@ class KVLink:
         return num_tokens
 
     def close(self) -> None:
-        self.group = None
+        self.group = self.data_group = None
         self._store = None

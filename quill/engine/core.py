@@ -16,9 +16,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from quill.contract.errors import ExecutorFailedError, InvalidRequestError, KVFetchError
+from quill.contract.errors import ExecutorFailedError, InvalidRequestError
 from quill.contract.messages import StepStats
-from quill.contract.plan import Executor, SampleLogprobs, SeqPlan, StepPlan, StepResult
+from quill.contract.plan import Executor, KVFetch, SampleLogprobs, SeqPlan, StepPlan, StepResult
 from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
 from quill.engine.request import Request
@@ -73,7 +73,6 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.last_plan: StepPlan | None = None  # what the last pass that ran computed
         self.recompute_failed_fetches = recompute_failed_fetches
-        self.kv_fetch_failed: dict[str, str] = {}  # this step's failed KV fetches, by request
         self.num_kv_recomputes = 0
 
     @property
@@ -206,21 +205,19 @@ class EngineCore:
         for request in sched.finished:
             self._ended(request)
             out.finished.append(request)
-        if sched.is_empty:
+        if sched.is_empty and not self.scheduler.num_fetching:
             return out
         plan = self.make_plan(sched)
+        if not plan.seqs:  # only KV fetches to start or to hear of: no pass
+            self._fetches_ended(self._execute_fetches(plan), out)
+            return out
         result, ran, errors = self._execute(plan)
         end = self.clock.now()
+        self._fetches_ended(result, out)
         for request_id, error in errors.items():
-            if self.kv_fetch_failed.pop(request_id, None) and self.recompute_failed_fetches:
-                log.warning("%s; computing its prompt here instead", error)
-                self.scheduler.recompute(request_id)
-                self.num_kv_recomputes += 1
-                continue
             request = self.finish_request(request_id, "error", error=error)
             if request is not None:
                 out.finished.append(request)
-        self.kv_fetch_failed.clear()
         if ran is None:
             return out
         # Failed requests are finished by now, so `update` passes over them.
@@ -253,6 +250,40 @@ class EngineCore:
 
         return out
 
+    def _execute_fetches(self, plan: StepPlan) -> StepResult:
+        """A plan of fetches alone: the executor starts them and waits a little for any to
+        end. If it raises, the fetches it was given fail (the others are still its own)."""
+        try:
+            return self.executor.execute(plan)
+        except ExecutorFailedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - those requests fail, the engine goes on
+            log.error("starting KV fetches failed", exc_info=e)
+            self._ended_ids[:0] = plan.finished_request_ids
+            failed = {f.request_id: f"{type(e).__name__}: {e}" for f in plan.kv_fetches}
+            return StepResult({}, kv_fetch_failed=failed)
+
+    def _fetches_ended(self, result: StepResult, out: CoreOutput) -> None:
+        """Requests whose KV arrived join the running ones; those whose fetch failed compute
+        their prompt here or fail (`recompute_failed_fetches`)."""
+        scheduler = self.scheduler
+        for request_id, moved in result.kv_fetched.items():
+            request = scheduler.fetched(request_id)
+            if request is not None:
+                request.kv_transfer = moved
+        for request_id, why in result.kv_fetch_failed.items():
+            request = scheduler.fetch_failed(request_id)
+            if request is None:
+                continue
+            error = f"KV transfer failed: {why}"
+            if self.recompute_failed_fetches:
+                log.warning("%s; computing its prompt here instead", error)
+                scheduler.recompute(request_id)
+                self.num_kv_recomputes += 1
+                continue
+            self.finish_request(request_id, "error", error=error)
+            out.finished.append(request)
+
     def _execute(self, plan: StepPlan) -> tuple[StepResult, StepPlan | None, dict[str, str]]:
         """Runs the plan; if it raises, runs its sequences one at a time to find the culprits.
 
@@ -267,16 +298,6 @@ class EngineCore:
             return self.executor.execute(plan), plan, {}
         except ExecutorFailedError:  # the executor itself is gone: no retry can run
             raise
-        except KVFetchError as e:  # raised before the pass: the others run without them
-            self.kv_fetch_failed.update(e.failed)
-            rest = [s for s in plan.seqs if s.request_id not in e.failed]
-            errors = {rid: f"KV transfer failed: {why}" for rid, why in e.failed.items()}
-            if not rest:
-                self._ended_ids[:0] = plan.finished_request_ids
-                return StepResult({}, {}), None, errors
-            plan = StepPlan(plan.step_id, rest, plan.finished_request_ids)
-            result, ran, more = self._execute(plan)
-            return result, ran, {**errors, **more}
         except Exception as e:  # one bad request must not take the step, or the engine, down
             batch_error = e
         if len(plan.seqs) == 1:
@@ -328,6 +349,8 @@ class EngineCore:
             ran.append(seq)
             merged.sampled.update(result.sampled)
             merged.logprobs.update(result.logprobs)
+            merged.kv_fetched.update(result.kv_fetched)
+            merged.kv_fetch_failed.update(result.kv_fetch_failed)
         return failures, ran, merged
 
     def make_plan(self, sched: SchedulerOutput) -> StepPlan:
@@ -352,12 +375,14 @@ class EngineCore:
                     params,
                     request.prompt_token_ids if history else None,
                     request.output_token_ids[:] if history else None,
-                    kv_source=request.remote_kv,
                 )
             )
-            if request.remote_kv is not None:
-                request.remote_kv = None  # fetched by this step's pass
+        fetches = []
+        for request in sched.fetches:
+            rid = request.request_id
+            fetches.append(KVFetch(rid, tables[rid][:], request.remote_kv))
+            request.remote_kv = None  # its fetch starts with this plan
         ended, self._ended_ids = self._ended_ids, []
-        plan = StepPlan(self._next_step_id, seqs, ended)
+        plan = StepPlan(self._next_step_id, seqs, ended, fetches)
         self._next_step_id += 1
         return plan

@@ -12,6 +12,7 @@ from quill.contract.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    FETCHING = "fetching"  # its prompt's KV is on the way from a prefill instance
     PREEMPTED = "preempted"
     FINISHED = "finished"
 

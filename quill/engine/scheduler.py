@@ -6,6 +6,11 @@ the running streams for more than one budget's worth of work. A request admitted
 prefix starts past it. When the KV pool runs dry the last request of the running list (the
 policy orders it, see `request_queue`) is preempted: its blocks are freed, their cached content
 stays, and it is recomputed later from whatever of it is still cached.
+
+A request whose prompt's KV a prefill instance computed gets its blocks when admitted and then
+waits aside (FETCHING) while the executor fetches the KV beside the steps; it joins the
+running requests once the KV is in (`fetched`). Its blocks are never freed while a fetch may
+still write into them: a request ended meanwhile keeps them until its fetch ends.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # finished while scheduling
+    fetches: list[Request] = field(default_factory=list)  # their KV fetches start now
 
     @property
     def num_batched_tokens(self) -> int:
@@ -46,7 +52,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.fetches
 
 
 class Scheduler:
@@ -70,6 +76,8 @@ class Scheduler:
         self.waiting = make_waiting_queue(policy, priority_aging)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.fetching: dict[str, Request] = {}  # KV on the way (each one's fetch started)
+        self.abandoned_fetches: set[str] = set()  # ended meanwhile: blocks held until it ends
         self.num_preemptions = 0
         self.num_transferred_prompt_tokens = 0  # see KVTransferStats
 
@@ -104,6 +112,13 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.FETCHING:
+            del self.fetching[request_id]
+            self.abandoned_fetches.add(request_id)  # the fetch may still write its blocks
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            request.stop_reason = stop_reason
+            return request
         else:
             self.waiting.remove(request)
         # Leased only when capped by its length (a prefill instance's max_tokens): one that
@@ -127,7 +142,13 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to serve, or fetches still to hear the end of."""
+        return bool(self.requests) or bool(self.abandoned_fetches)
+
+    @property
+    def num_fetching(self) -> int:
+        """Fetches in flight: those of live requests and of requests ended meanwhile."""
+        return len(self.fetching) + len(self.abandoned_fetches)
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
@@ -165,15 +186,14 @@ class Scheduler:
             not out.preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.max_num_seqs
+            and len(self.running) + len(self.fetching) < self.max_num_seqs
         ):
             request = self.waiting.peek()
             # Nothing is computed yet (preempted requests too), unless the request's KV comes
             # from elsewhere (a prefill instance or replica).
             computed = request.num_computed_tokens
             remote = request.remote_kv
-            # Moved in by the simulator: nothing to look up.
-            cached = [] if computed and remote is None else kv.find_cached_prefix(request)
+            cached = kv.find_cached_prefix(request)
             num_cached = len(cached) * block_size
             if remote is not None:  # its KV comes from a prefill instance but what is cached
                 request.remote_kv = replace(remote, num_cached_blocks=len(cached))
@@ -183,21 +203,30 @@ class Scheduler:
             if not kv.allocate_slots(request, computed + n, cached):
                 break
             self.waiting.pop()
+            request.num_computed_tokens = computed
+            if remote is not None:  # waits aside for its KV: no token of this step's budget
+                request.status = RequestStatus.FETCHING
+                self.fetching[request.request_id] = request
+                out.fetches.append(request)
+                if caching:
+                    kv.record_lookup(request.num_tokens, num_cached)
+                kv.cache_blocks(request, num_cached)
+                if request.times.first_scheduled is None:
+                    request.times.first_scheduled = now
+                    request.num_cached_tokens = num_cached
+                continue
             add_running(self.running, request, self.policy)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = computed
             if request.kv_transferred:  # what of its prompt is computed here after all
                 self.num_transferred_prompt_tokens += max(
                     0, len(request.prompt_token_ids) - computed
                 )
-            if caching and (remote is not None or computed == num_cached):
+            if caching and computed == num_cached:
                 kv.record_lookup(request.num_tokens, num_cached)
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = now
                 request.num_cached_tokens = num_cached
-            # Fetched blocks are registered once fetched (the engine worker does it: the fetch,
-            # which runs with this step, may fail): no other request maps them before.
-            kv.cache_blocks(request, num_cached if remote is not None else computed + n)
+            kv.cache_blocks(request, computed + n)
             scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
         return out
@@ -216,6 +245,32 @@ class Scheduler:
             if victim is request:
                 return False
         return True
+
+    def fetched(self, request_id: str) -> Request | None:
+        """A fetch ended with the KV in: its request runs from the next step (and others may
+        map its prompt's blocks from the prefix cache); None if it had ended meanwhile (its
+        blocks are freed now)."""
+        if request_id in self.abandoned_fetches:
+            self.abandoned_fetches.discard(request_id)
+            self.kv.free(request_id)
+            return None
+        request = self.fetching.pop(request_id)
+        request.status = RequestStatus.RUNNING
+        add_running(self.running, request, self.policy)
+        self.kv.cache_blocks(request, len(request.prompt_token_ids))
+        return request
+
+    def fetch_failed(self, request_id: str) -> Request | None:
+        """A fetch ended without the KV: its request (None if it had ended meanwhile: its
+        blocks are freed now), still FETCHING, for `recompute` or `finish_request`."""
+        if request_id in self.abandoned_fetches:
+            self.abandoned_fetches.discard(request_id)
+            self.kv.free(request_id, uncache=True)
+            return None
+        request = self.fetching.pop(request_id)
+        request.status = RequestStatus.RUNNING  # as if it had run: either call takes it so
+        self.running.append(request)
+        return request
 
     def recompute(self, request_id: str) -> None:
         """Compute a running request's KV here after all (its fetch from a prefill instance

@@ -171,14 +171,6 @@ class EngineWorker:
         step's stats (no tokens when no pass ran)."""
         out: CoreOutput = self.core.step()
         fetcher = getattr(self.runner, "kv_fetcher", None)
-        if fetcher is not None and fetcher.done:  # prompt KV fetched in this step's pass
-            kv = self.scheduler.kv
-            for request in (*out.advanced, *out.finished):
-                if request.request_id in fetcher.done:
-                    request.kv_transfer = fetcher.done.pop(request.request_id)
-                    if request.request_id in kv.block_tables:  # fetched: others may map it now
-                        kv.cache_blocks(request, len(request.prompt_token_ids))
-            fetcher.done.clear()  # requests failed meanwhile
         updates = []
         finished = {id(r) for r in out.finished}
         for request in out.advanced:

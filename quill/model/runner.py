@@ -65,8 +65,8 @@ class ModelRunner:
         self.padded_size = lambda num_tokens: num_tokens  # compiled steps pad to a bucket
         # Tensor-parallel ranks but the first run the layers only: sampling is rank 0's.
         self.computes_logits = True
-        # Fetches prompt KV a prefill instance computed (quill/disagg/fetch.py), for plans
-        # whose rows carry a kv_source; set by the engine worker.
+        # Fetches prompt KV a prefill instance computed (quill/disagg/fetch.py) beside the
+        # steps, for plans with kv_fetches; set by the engine worker.
         self.kv_fetcher = None
 
     def kv_bytes_per_block(self) -> int:
@@ -127,8 +127,21 @@ class ModelRunner:
         return torch.cat(positions), torch.cat(slots)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """The executor's one call: `forward`, then `sample`."""
-        return self.sample(self.forward_pass(plan))
+        """The executor's one call: start the plan's KV fetches, `forward`, then `sample`;
+        the result reports the fetches that ended meanwhile (a plan of fetches alone waits a
+        little for one to end)."""
+        fetcher = self.kv_fetcher
+        if plan.kv_fetches:
+            fetcher.start(plan.kv_fetches)
+        if not plan.seqs:
+            result = StepResult({})
+            if fetcher is not None:
+                fetcher.collect(result, wait_s=0.05)
+            return result
+        result = self.sample(self.forward_pass(plan))
+        if fetcher is not None and fetcher.busy:
+            fetcher.collect(result)
+        return result
 
     @torch.inference_mode()
     def forward_pass(self, plan: StepPlan) -> ForwardOutput:
@@ -142,8 +155,6 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampling: list[SeqPlan] = []
         chunks: list[SeqPlan] = []
-        if any(s.kv_source is not None for s in seqs):  # prompts' KV from prefill instances
-            self.kv_fetcher.fetch_all(seqs)
         for s in seqs:
             input_ids.extend(s.token_ids)
             if s.is_single_query:

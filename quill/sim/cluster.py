@@ -1,10 +1,10 @@
 """Discrete-event loops over replicas in virtual time: colocated, and prefill/decode split.
 
 Each replica keeps its own clock, and the loop always handles the earliest thing next: an
-arrival, a finished KV transfer, or the step of the busy replica whose clock is furthest
-behind. Arrivals and transfers win ties, so a request that arrives as a step would start is in
-that step. A step covers [clock, clock + price]; anything that arrives meanwhile waits for the
-replica's next step, as it would on a real server.
+arrival, a request handed from a prefill replica to a decode one, or the step of the busy
+replica whose clock is furthest behind. Arrivals and hand-overs win ties, so a request that
+arrives as a step would start is in that step. A step covers [clock, clock + price]; anything
+that arrives meanwhile waits for the replica's next step, as it would on a real server.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+from quill.contract.plan import RemoteKV
 from quill.engine.request import Request, RequestTimes
 from quill.sim.config import SimConfig
 from quill.sim.metrics import SLO, Distribution, MetricsSink
-from quill.sim.replica import PromptTokens, Replica
+from quill.sim.replica import SAMPLED_TOKEN, PromptTokens, Replica
 from quill.sim.workload import WorkItem
 
 ROUTERS = ("least-work", "round-robin")
@@ -128,20 +129,22 @@ def run_disaggregated(
 ) -> dict:
     """Prefill replicas compute prompts and first tokens; decode replicas produce the rest.
 
-    A prefilled request's KV cache (prompt tokens x the model's KV bytes per token) then goes
-    to a decode replica, chosen by the router when its prefill ends, over the prefill replica's
-    outgoing link: one transfer at a time per prefill replica, first come first served, at the
-    hardware's interconnect bandwidth per device (with tp > 1 each device sends its share at
-    once). The prefill replica frees its copy at once: only the time of the move is modelled.
-    A one-token reply is complete after prefill and never moves.
+    As `quill serve --disaggregate` runs them: when a prompt's prefill ends, the request goes at
+    once to a decode replica (the router's pick) with its KV left on the prefill replica; the
+    decode replica's scheduler takes it like any request (its prefix cache looked up first)
+    and its executor fetches the KV beside the steps, one fetch after another (prompt tokens
+    past those cached x the model's KV bytes per token, at the hardware's interconnect
+    bandwidth per device); the request decodes from the first step after its KV is in. Not
+    modelled: several decode replicas fetching from one prefill replica at once share nothing
+    (each has a link of its own), and a fetch takes nothing from the steps beside it. The
+    prefill replica frees its copy at once. A one-token reply is complete after prefill and
+    never moves.
     """
     hardware = config.cost.hardware
     if hardware.interconnect_bandwidth is None:
         raise ValueError(f"--disaggregate needs the interconnect bandwidth of {hardware.name}")
     if num_prefill < 1 or num_decode < 1:
         raise ValueError("--disaggregate needs at least one prefill and one decode replica")
-    link_rate = hardware.interconnect_bandwidth * config.cost.tp
-    kv_per_token = config.cost.model.kv_bytes_per_token
     sink = MetricsSink(slo)
     tokens = PromptTokens()
     prefill = [
@@ -151,11 +154,11 @@ def run_disaggregated(
     decode = [Replica(config, sink, f"decode {i}", tokens=tokens) for i in range(num_decode)]
     replicas = prefill + decode
     prefill_route, decode_route = Router(router, prefill), Router(router, decode)
-    link_free = {id(r): 0.0 for r in prefill}
     reply_len: dict[str, int] = {}  # request id -> output tokens, between arrival and decode
-    transfers: list[tuple[float, int, Replica, Request]] = []
+    handed_over: dict[str, float] = {}  # request id -> when its prefill ended, until fetched
+    hand_overs: list[tuple[float, int, Replica, Request]] = []
+    order = itertools.count()  # breaks ties between hand-overs at the same time
     transfer_s, transfer_wait_s = Distribution(), Distribution()
-    order = itertools.count()  # breaks ties between transfers that end at the same time
 
     def prefilled(replica: Replica, request: Request) -> bool:
         """Send a prefilled request on to a decode replica, or finish it (returns True)."""
@@ -167,15 +170,12 @@ def run_disaggregated(
             sink.record(request)
             return True
         now = request.times.finished
-        start = max(link_free[id(replica)], now)
-        seconds = kv_per_token * request.num_prompt_tokens / link_rate
-        done = start + seconds
-        link_free[id(replica)] = done
-        transfer_s.add(seconds)
-        transfer_wait_s.add(start - now)
         target = decode_route.pick()
         target.outstanding += request.num_prompt_tokens + out
-        heapq.heappush(transfers, (done, next(order), target, _moved(request, target, out)))
+        handed_over[request.request_id] = now
+        # An event at `now`, not a submit at once: the decode replica's clock may be behind.
+        moved = _moved(request, target, out, config.block_size)
+        heapq.heappush(hand_overs, (now, next(order), target, moved))
         return False
 
     arrivals = iter(workload)
@@ -184,9 +184,9 @@ def run_disaggregated(
         while True:
             replica, when = _earliest(replicas)
             arrival = item.arrival_time if item is not None else math.inf
-            if transfers and transfers[0][0] <= min(arrival, when):
-                done, _, target, request = heapq.heappop(transfers)
-                target.submit(request, done)
+            if hand_overs and hand_overs[0][0] <= min(arrival, when):
+                now, _, target, request = heapq.heappop(hand_overs)
+                target.submit(request, now)
                 continue
             if item is not None and arrival <= when:
                 target = prefill_route.pick()
@@ -201,6 +201,11 @@ def run_disaggregated(
             if replica.output_cap == 1:
                 done_count = sum(prefilled(replica, request) for request in finished)
             else:
+                fetches = replica.executor.fetches
+                for request_id, start, seconds in fetches:
+                    transfer_s.add(seconds)
+                    transfer_wait_s.add(start - handed_over.pop(request_id))
+                fetches.clear()
                 done_count = len(finished)
                 for request in finished:
                     _check(request)
@@ -214,9 +219,13 @@ def run_disaggregated(
     return out
 
 
-def _moved(request: Request, target: Replica, out: int) -> Request:
-    """The request as the decode replica receives it: prompt computed, first token out."""
+def _moved(request: Request, target: Replica, out: int, block_size: int) -> Request:
+    """The request as the decode replica receives it: prompt computed elsewhere, its KV to
+    fetch (as the engine worker makes it from the prefill instance's reply), first token out."""
     times = request.times
+    n = request.num_prompt_tokens
+    remote = RemoteKV("prefill", 0, request.request_id, list(range(-(-n // block_size))), n,
+                      SAMPLED_TOKEN)  # fmt: skip
     return Request(
         request.request_id,
         request.prompt_token_ids,
@@ -226,6 +235,8 @@ def _moved(request: Request, target: Replica, out: int) -> Request:
         output_token_ids=list(request.output_token_ids),
         num_computed_tokens=request.num_prompt_tokens,
         num_preemptions=request.num_preemptions,
+        remote_kv=remote,
+        kv_transferred=True,
         times=RequestTimes(
             times.arrival,
             first_scheduled=times.first_scheduled,

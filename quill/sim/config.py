@@ -33,6 +33,10 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     block_size: int = 16
     enable_prefix_caching: bool = True  # as `quill serve`: reuse cached full prompt blocks
+    # A decode replica's KV fetches take their time from the same cores as its steps (a CPU
+    # host whose link is its own copies, as two instances on one machine): while both run,
+    # each goes at half speed. Otherwise the link is a device of its own (a NIC, NVLink).
+    fetch_shares_cores: bool = False
 
     @classmethod
     def create(
@@ -48,6 +52,7 @@ class SimConfig:
         kv_cache_memory: int | None = None,
         context_len: int | None = None,
         enable_prefix_caching: bool = True,
+        fetch_shares_cores: bool = False,
     ) -> SimConfig:
         """Raises ValueError on anything impossible. `kv_cache_memory` is bytes per device;
         without it the pool is what is left of 90% of the memory after the weights. Like the
@@ -91,6 +96,7 @@ class SimConfig:
             max_num_batched_tokens=max_num_batched_tokens or 8192,
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
+            fetch_shares_cores=fetch_shares_cores,
         )
 
     @property

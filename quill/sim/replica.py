@@ -10,6 +10,7 @@ prefix (`PromptTokens`), so the scheduler's prefix cache hits where a real serve
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from quill.contract.plan import StepPlan, StepResult
@@ -58,27 +59,80 @@ class PromptTokens:
 
 
 class SimExecutor:
-    """Runs a plan in virtual time: the clock moves by the plan's predicted price."""
+    """Runs a plan in virtual time: the clock moves by the plan's predicted price.
 
-    def __init__(self, cost: CostModel, clock: VirtualClock) -> None:
+    KV fetches run beside the steps, as the engine's fetcher thread does them: one after
+    another, each needing `CostModel.kv_fetch_seconds` of the link, and reported in the result
+    of the first step that ends after it; a plan of fetches alone moves the clock to the next
+    fetch's end. With `shares_cores` a fetch and a step running at once share the cores, each
+    at half speed (processor sharing). `fetches` keeps (request id, when it started, seconds)
+    of each that ended, for the event loop to collect.
+    """
+
+    def __init__(self, cost: CostModel, clock: VirtualClock, shares_cores: bool = False) -> None:
         self.cost = cost
         self.clock = clock
+        self.shares_cores = shares_cores
         self.num_steps = 0
+        self.num_polls = 0  # plans of fetches alone
         self.busy_s = 0.0
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.fetches: list[tuple[str, float, float]] = []
+        # Fetches not yet ended, in order: [request id, bytes, link seconds left, started at]
+        # (started: when it reached the head of the line; None before).
+        self._queue: deque[list] = deque()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        shape = BatchShape.from_plan(plan)
-        seconds = self.cost.price(shape).predicted_s
-        self.clock.advance(seconds)
-        self.num_steps += 1
-        self.busy_s += seconds
-        self.prefill_tokens += shape.num_prefill_tokens
-        self.decode_tokens += shape.num_decode_tokens
-        return StepResult(
-            dict.fromkeys([s.request_id for s in plan.seqs if s.samples], [SAMPLED_TOKEN])
-        )
+        for fetch in plan.kv_fetches:
+            tokens = fetch.source.num_tokens_to_fetch
+            bytes_ = int(tokens * self.cost.model.kv_bytes_per_token)
+            self._queue.append([fetch.request_id, bytes_, self.cost.kv_fetch_seconds(tokens), None])
+        if plan.seqs:
+            shape = BatchShape.from_plan(plan)
+            seconds = self.cost.price(shape).predicted_s
+            self.num_steps += 1
+            self.busy_s += seconds
+            self.prefill_tokens += shape.num_prefill_tokens
+            self.decode_tokens += shape.num_decode_tokens
+            sampled = [s.request_id for s in plan.seqs if s.samples]
+            result = StepResult(dict.fromkeys(sampled, [SAMPLED_TOKEN]))
+        else:
+            self.num_polls += 1
+            seconds = 0.0
+            result = StepResult({})
+        self._run(seconds, result)
+        return result
+
+    def _run(self, work: float, result: StepResult) -> None:
+        """Move the clock through `work` seconds of step (none: until the next fetch ends),
+        the fetches progressing beside it; those that end go into `result`."""
+        t = self.clock.t
+        queue = self._queue
+        stepping = work > 0
+        while queue:
+            head = queue[0]
+            if head[3] is None:
+                head[3] = t
+            shared = 0.5 if self.shares_cores and stepping else 1.0
+            step_dt = work / shared if stepping else math.inf
+            fetch_dt = head[2] / shared
+            dt = min(step_dt, fetch_dt)
+            t += dt
+            head[2] -= dt * shared
+            if stepping:
+                work -= dt * shared
+            if dt == fetch_dt:  # the fetch ended (no later than the step)
+                queue.popleft()
+                request_id, bytes_, _, started = head
+                result.kv_fetched[request_id] = (bytes_, t - started)
+                self.fetches.append((request_id, started, t - started))
+                if not stepping:
+                    break
+            if stepping and dt == step_dt:
+                work = 0.0
+                break
+        self.clock.t = t + (work if stepping else 0.0)
 
 
 class Replica:
@@ -107,7 +161,7 @@ class Replica:
         self.sink = sink
         self.output_cap = output_cap
         self.clock = VirtualClock()
-        self.executor = SimExecutor(config.cost, self.clock)
+        self.executor = SimExecutor(config.cost, self.clock, config.fetch_shares_cores)
         self.tokens = PromptTokens() if tokens is None else tokens
         kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         scheduler = Scheduler(
@@ -121,6 +175,7 @@ class Replica:
         # number of steps run before it, so that a real engine can replay the same sequence.
         self.record = record
         self.step_log: list[list[tuple[str, int, int]]] = []
+
         self.add_log: list[tuple[int, str]] = []
 
     @property
@@ -170,10 +225,11 @@ class Replica:
         """One engine step at this replica's clock; returns the requests that ended."""
         if self.backlog:
             self._admit()
-        before = self.executor.num_steps
+        ex = self.executor
+        before, polls = ex.num_steps, ex.num_polls
         out = self.core.step()
-        if self.executor.num_steps == before:
-            if not out.finished:
+        if ex.num_steps == before:
+            if not out.finished and ex.num_polls == polls:
                 raise RuntimeError(f"{self.name}: the scheduler can schedule nothing")
         elif self.record:
             plan = self.core.last_plan

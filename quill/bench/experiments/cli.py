@@ -20,9 +20,10 @@ simulator's prediction) and regenerate docs/experiments.md, its figures and raw 
   batching      decode step and tokens/s from 1 to 128 sequences, under the roofline
   cost          seconds and dollars per million output tokens, batch 1 against a full batch
   interference  16 streams and a 2000-token prompt: one pass against chunks; disaggregation
+  split         the same on two pinned instances: colocated against prefill + decode, for real
   load          TTFT and ITL against request rate, `quill serve` against the simulator
-Full: about 6 minutes on a quiet 2-core machine (a minute more with --recalibrate); --quick:
-under 2.
+Full: about 11 minutes on a quiet 2-core machine (a minute more with --recalibrate, another
+the first time the split calibrates one core); --quick: under 4.
 """
 
 

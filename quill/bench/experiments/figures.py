@@ -203,6 +203,35 @@ def plot_interference(result: dict, path: Path) -> None:
     _save(fig, path)
 
 
+def plot_split(result: dict, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    for name, color in (("colocated", "tab:orange"), ("split", "tab:blue")):
+        timeline = result["measured"][name]["timeline"]
+        label = {"colocated": "(a) 2 colocated", "split": "(b) 1 prefill + 1 decode"}[name]
+        ax.plot(
+            [t for t, _ in timeline],
+            [g * 1e3 for _, g in timeline],
+            ".",
+            ms=3,
+            color=color,
+            alpha=0.5,
+            label=f"{label}: every stream's gaps",
+        )
+        p99 = result["simulated"][name]["all_itl_p99_s"]
+        ax.axhline(p99 * 1e3, color=color, ls="--", lw=1, label=f"{label}: simulated ITL p99")
+    first = min(w[1] for w in result["workload"] if not w[0].startswith("s"))
+    for w in result["workload"]:
+        if not w[0].startswith("s"):
+            ax.axvline(w[1] - first, color="gray", lw=1)
+    ax.set_xlabel("seconds since the first long prompt arrived (gray: each arrival)")
+    ax.set_ylabel("inter-token gap, ms")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+
+
 def plot_load(result: dict, path: Path) -> None:
     plt = _pyplot()
     runs = result["runs"]
@@ -250,5 +279,6 @@ PLOTS: dict[str, Callable[[dict, Path], None]] = {
     "batching": plot_batching,
     "cost": plot_cost,
     "interference": plot_interference,
+    "split": plot_split,
     "load": plot_load,
 }
