@@ -62,3 +62,26 @@ def test_alone_and_batched_differ_only_by_rounding(llm):
             compared += 1
             assert abs(a.logprobs[position][token_a] - b.logprobs[position][token_b]) < ROUNDING
     assert compared >= 8 * 8  # most of the text was compared, not cut short by a tie
+
+
+def test_a_reply_split_over_two_samplers_draws_what_one_draws():
+    """A prefill instance draws a seeded request's first token, a decode instance the rest:
+    the decode side's new generator starts past the draw made elsewhere."""
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, seed=42)
+    prompt = SeqPlan("r", [7, 8, 9], 0, 3, [0], True, params)
+
+    def decode_row(position: int, token: int) -> SeqPlan:
+        return SeqPlan("r", [token], position, 3, [0], True, params)
+
+    one = Sampler(torch.device("cpu"))
+    whole = one(logits, [prompt]).token_ids
+    for k in range(5):
+        whole += one(logits, [decode_row(3 + k, whole[-1])]).token_ids
+    first = Sampler(torch.device("cpu"))(logits, [prompt]).token_ids  # the prefill instance
+    decode = Sampler(torch.device("cpu"))
+    split = list(first)
+    for k in range(5):
+        split += decode(logits, [decode_row(3 + k, split[-1])]).token_ids
+    assert split == whole
+    assert len(set(whole)) > 1  # it did sample

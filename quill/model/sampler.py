@@ -81,7 +81,7 @@ class Sampler:
         try:
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for i in seeded:
-                noise[i].exponential_(generator=self._generator_for(requests[i]))
+                noise[i].exponential_(generator=self._generator_for(requests[i], noise[i]))
             # Exp(1) can come out as exactly 0; p / 0 would be inf for every kept token and NaN
             # for the dropped ones, which argmax then prefers.
             noise.clamp_(min=_F32_TINY)
@@ -94,10 +94,16 @@ class Sampler:
                     gens.pop(rid, None)
             raise
 
-    def _generator_for(self, request: SeqPlan) -> torch.Generator:
+    def _generator_for(self, request: SeqPlan, row: torch.Tensor) -> torch.Generator:
+        """The request's generator; a new one is first moved past the draws of the tokens the
+        request already has (sampled elsewhere: a prefill instance drew the first), so that a
+        reply split over two instances draws what one instance would have."""
         gen = self.request_generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
+            drawn = request.start + request.num_tokens - request.num_prompt_tokens
+            for _ in range(drawn):
+                torch.empty_like(row).exponential_(generator=gen)
             self.request_generators[request.request_id] = gen
         return gen
 

@@ -120,6 +120,10 @@ class Router:
         text = _text(path, first_reply["choices"][0])
         if text.endswith(_REPLACEMENT):
             text = ""  # wait for the decode instance's text of it
+        stops = body.get("stop") or []
+        # The end of it may begin a stop string that the next tokens complete: the decode
+        # instance (which sees them) passes those characters on, or cuts the reply there.
+        text = text[: len(text) - _held(text, [stops] if isinstance(stops, str) else stops)]
         yield _sse(_first_chunk(path, first_reply, text))
         async for chunk in self._relay(decode, path, body, headers, skip=len(text)):
             yield chunk
@@ -158,6 +162,17 @@ class Router:
             yield "data: [DONE]\n\n"
         finally:
             instance.num_in_flight -= 1
+
+
+def _held(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could be the start of a stop string."""
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:k]):
+                held = k
+                break
+    return held
 
 
 def _text(path: str, choice: dict) -> str:

@@ -104,6 +104,37 @@ def test_greedy_through_the_router_equals_the_colocated_server(split, client):
     assert _metrics(url)["quill_router:requests_total"] >= num_split
 
 
+def test_seeded_sampling_through_the_router_equals_the_colocated_server(split, client):
+    """The prefill instance draws the first token, the decode instance the rest from the same
+    seeded generator moved past that draw: one instance's reply."""
+    url, _, _ = split
+    routed = _openai(url)
+    for prompt in PROMPTS[1:3]:
+        kw = dict(model=None, prompt=prompt, max_tokens=16, temperature=1.0, seed=7)
+        want = client.completions.create(**kw).choices[0].text
+        assert routed.completions.create(**kw).choices[0].text == want
+        stream = routed.completions.create(**kw, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
+
+
+def test_a_stop_string_begun_by_the_first_token_streams_as_colocated(split, client):
+    """The prefill instance's token ends with the start of a stop string the next token
+    completes: the router must not stream those characters before the decode instance,
+    which sees the rest, cuts the reply there."""
+    url, _, _ = split
+    routed = _openai(url)
+    kw = dict(model=None, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    first = client.completions.create(**{**kw, "max_tokens": 1}).choices[0].text
+    whole = client.completions.create(**kw).choices[0].text
+    assert whole.startswith(first) and len(whole) > len(first)
+    stop = whole[len(first) - 1 : len(first) + 1]  # across the first two tokens
+    want = client.completions.create(**kw, stop=[stop]).choices[0].text
+    assert len(want) < len(first)  # the stop cut into the first token's text
+    stream = routed.completions.create(**kw, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    assert routed.completions.create(**kw, stop=[stop]).choices[0].text == want
+
+
 def test_what_the_split_cannot_carry_goes_whole(split, client):
     url, _, decode = split
     before = _metrics(decode.base_url).get("quill:kv_transfers_total", 0)
