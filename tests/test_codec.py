@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.contract.codec import Codec
+from quill.contract.constraint import KINDS, Constraint
 from quill.contract.messages import (
     AbortRequests,
     AddResult,
@@ -56,6 +57,7 @@ params = st.builds(
     min_tokens=st.integers(0, 10),
     include_stop_str_in_output=st.booleans(),
     skip_special_tokens=st.booleans(),
+    structured=st.none() | st.builds(Constraint, st.sampled_from(KINDS), st.text(max_size=20)),
 )
 
 

@@ -6,6 +6,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-5 already gives
@@ -52,6 +53,8 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # keep a matched stop string at the text's end
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # What the reply must match (a JSON schema, a regex, ...), enforced token by token.
+    structured: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

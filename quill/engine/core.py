@@ -21,7 +21,7 @@ from quill.contract.messages import StepStats
 from quill.contract.plan import Executor, KVFetch, SampleLogprobs, SeqPlan, StepPlan, StepResult
 from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
-from quill.engine.request import Request
+from quill.engine.request import Request, RequestStatus
 from quill.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,11 @@ class EngineCore:
         step_listeners=(),
         admission: AdmissionControl | None = None,
         recompute_failed_fetches: bool = True,
+        structured=None,
     ) -> None:
         """`recompute_failed_fetches`: a request whose prompt KV could not be fetched from a
-        prefill instance computes its prompt here (else it fails)."""
+        prefill instance computes its prompt here (else it fails). `structured`: the
+        `ReplyMatchers` that enforce constraints (None: requests with one are refused)."""
         self.scheduler = scheduler
         self.executor = executor
         self.clock = clock or WallClock()
@@ -74,6 +76,8 @@ class EngineCore:
         self.last_plan: StepPlan | None = None  # what the last pass that ran computed
         self.recompute_failed_fetches = recompute_failed_fetches
         self.num_kv_recomputes = 0
+        self.structured = structured
+        self._compiling: dict[str, Request] = {}  # constrained requests whose matcher is made
 
     @property
     def max_model_len(self) -> int:
@@ -92,6 +96,14 @@ class EngineCore:
         """Validate and queue a request for the next step; raises InvalidRequestError, or
         OverloadedError when admission control predicts it would start past its SLO."""
         self.scheduler.check_request(request)
+        constraint = request.sampling_params.structured
+        if constraint is not None:
+            if self.structured is None:
+                raise InvalidRequestError(
+                    "structured output needs the model's tokenizer.json beside its weights",
+                    "structured",
+                )
+            self.structured.check(constraint)
         if request.ttft_slo is not None and self.admission is None:
             raise InvalidRequestError(
                 "ttft_slo needs TTFT prediction, which this engine runs without "
@@ -125,7 +137,7 @@ class EngineCore:
             self._pending.append(("abort", (request_id, reason, stop_reason)))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished()
+        return bool(self._pending) or bool(self._compiling) or self.scheduler.has_unfinished()
 
     def next_lease_expiry(self) -> float | None:
         """When the first KV lease ends (a step then frees it), on this core's clock."""
@@ -145,6 +157,12 @@ class EngineCore:
     ) -> Request | None:
         """End a request now (a stop string found by the front end, an abort, an error). An
         abort of a request already ended frees the KV blocks it leased."""
+        request = self._compiling.pop(request_id, None)
+        if request is not None:  # never scheduled: its matcher was still being made
+            request.status = RequestStatus.FINISHED
+            request.finish_reason, request.stop_reason = reason, stop_reason
+            self._ended(request, error)
+            return request
         request = self.scheduler.finish_request(request_id, reason, stop_reason, self.clock.now())
         if request is not None:
             self._ended(request, error)
@@ -155,6 +173,8 @@ class EngineCore:
     def _ended(self, request: Request, error: str | None = None) -> None:
         request.times.finished = self.clock.now()
         request.error = error
+        if self.structured is not None and request.sampling_params.structured is not None:
+            self.structured.drop(request.request_id)
         self._ended_ids.append(request.request_id)
         with self._lock:
             self._live_ids.discard(request.request_id)
@@ -167,6 +187,10 @@ class EngineCore:
                 kind, item = self._pending.popleft()
             if kind == "release":
                 self.scheduler.kv.release(item)
+            elif kind == "add" and item.sampling_params.structured is not None:
+                self.structured.start(item.request_id, item.sampling_params.structured,
+                                      self.clock.now())  # fmt: skip
+                self._compiling[item.request_id] = item
             elif kind == "add":
                 self.scheduler.add_request(item)
                 if self.admission is not None:
@@ -185,6 +209,8 @@ class EngineCore:
         """
         out = CoreOutput()
         self._drain_pending(out)
+        if self._compiling:
+            self._admit_constrained(out)
         start = self._step_started = self.clock.now()
         kv = self.scheduler.kv
         if kv.leases:
@@ -200,12 +226,25 @@ class EngineCore:
                     self._queue_state = state
                     self._unsnapshotted = []
 
+    def _admit_constrained(self, out: CoreOutput) -> None:
+        """Constrained requests whose matcher is made go to the scheduler; those whose grammar
+        failed or ran past its deadline end in error."""
+        ready, failed = self.structured.ready(self.clock.now())
+        for request_id in ready:
+            self.scheduler.add_request(self._compiling.pop(request_id))
+        for request_id, why in failed.items():
+            request = self.finish_request(request_id, "error", error=why)
+            if request is not None:
+                out.finished.append(request)
+
     def _step(self, out: CoreOutput, start: float) -> CoreOutput:
         sched = self.scheduler.schedule(start)
         for request in sched.finished:
             self._ended(request)
             out.finished.append(request)
         if sched.is_empty and not self.scheduler.num_fetching:
+            if self._compiling and not out.finished:
+                self.structured.wait(0.01)  # nothing runs until a matcher is made
             return out
         plan = self.make_plan(sched)
         if not plan.seqs:  # only KV fetches to start or to hear of: no pass
@@ -222,11 +261,13 @@ class EngineCore:
             return out
         # Failed requests are finished by now, so `update` passes over them.
         advanced, finished = self.scheduler.update(sched, result.sampled, end)
+        if self.structured is not None:
+            finished += self._take_constrained(advanced, finished)
         if sched.finished:  # `update` hands these back again; they were reported above
             ended_earlier = {id(r) for r in sched.finished}
             finished = [r for r in finished if id(r) not in ended_earlier]
         for request in finished:
-            self._ended(request)
+            self._ended(request, request.error)  # set by _take_constrained, else None
         out.advanced += advanced
         out.finished += finished
         out.logprobs = result.logprobs
@@ -249,6 +290,21 @@ class EngineCore:
             listener.on_step(ran, start, end)
 
         return out
+
+    def _take_constrained(self, advanced: list[Request], finished: list[Request]) -> list[Request]:
+        """Each constrained request's matcher takes its new tokens; a token it refuses (the
+        mask let it through: a bug) ends the request in error. Returns those ended here."""
+        ended, done = [], {id(r) for r in finished}
+        for request in advanced:
+            if request.sampling_params.structured is None:
+                continue
+            why = self.structured.take(request.request_id, request.output_token_ids)
+            if why is not None and id(request) not in done:
+                log.error("%s: %s", request.request_id, why)
+                if self.scheduler.finish_request(request.request_id, "error") is not None:
+                    request.error = why
+                    ended.append(request)
+        return ended
 
     def _execute_fetches(self, plan: StepPlan) -> StepResult:
         """A plan of fetches alone: the executor starts them and waits a little for any to
@@ -375,6 +431,9 @@ class EngineCore:
                     params,
                     request.prompt_token_ids if history else None,
                     request.output_token_ids[:] if history else None,
+                    token_bitmask=self.structured.bitmask(request.request_id)
+                    if samples and self.structured is not None
+                    else None,
                 )
             )
         fetches = []

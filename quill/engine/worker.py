@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from quill.config import EngineConfig
 from quill.contract.messages import (
@@ -72,6 +73,7 @@ class EngineWorker:
             listeners,
             admission,
             recompute_failed_fetches=config.kv_transfer_failure == "recompute",
+            structured=_reply_matchers(built),
         )
         log.info(
             "prefix caching: %s; scheduling policy: %s; TTFT prediction: %s; cost accounting: %s%s",
@@ -302,3 +304,18 @@ def _make_accountant(config: EngineConfig, built):
         return CostAccountant(model, None, config.price_per_hour)
     log.info("cost: pricing steps on %s", hardware.name)
     return CostAccountant(model, CostModel(model, hardware), config.price_per_hour)
+
+
+def _reply_matchers(built):
+    """The matchers for structured output, over the model's tokenizer.json (None without one:
+    constrained requests are then refused)."""
+    path = Path(built.tokenizer_source)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if path.name != "tokenizer.json" or not path.is_file():
+        log.info("structured output: off (no tokenizer.json at %s)", built.tokenizer_source)
+        return None
+    from quill.structured.grammar import Grammars
+    from quill.structured.matchers import ReplyMatchers
+
+    ends = sorted(built.tokenizer.eos_token_ids)
+    return ReplyMatchers(Grammars(path, built.model_config.vocab_size, ends))

@@ -160,6 +160,8 @@ def suppress_ends(
         p = r.sampling_params
         if not p.min_tokens or r.start + len(r.token_ids) - r.num_prompt_tokens >= p.min_tokens:
             continue
+        if r.token_bitmask is not None:  # a grammar decides when its reply may end
+            continue
         barred = set(p.stop_token_ids)
         if not p.ignore_eos:
             barred.update(end_token_ids)

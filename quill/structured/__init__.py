@@ -1,0 +1,1 @@
+"""Structured output: constraints a reply must match, and the token masks that enforce them."""

@@ -1,0 +1,115 @@
+"""Constraints compiled into llguidance grammars for one tokenizer, and the matcher per reply.
+
+llguidance (torch-free, no dependencies) turns a JSON schema, a regular expression or a Lark
+grammar into a matcher that gives, token by token, the bitmask of tokens that may come next
+(bit t of byte t // 8, least significant first: the layout `SeqPlan.token_bitmask` carries)
+and refuses, with its own message, any schema feature it cannot enforce. Compiled grammars and
+failures are cached by constraint, so a repeated bad schema costs nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import llguidance
+from llguidance.gbnf_to_lark import GbnfToLarkError
+
+from quill.contract.constraint import Constraint
+
+# JSON without free whitespace between tokens (", " and ": " as separators): a model may
+# otherwise pad a reply with whitespace until it runs out of tokens. A schema's own
+# "x-guidance" options override this.
+_COMPACT = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be enforced: the library's reason."""
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar of a constraint (not yet checked)."""
+    kind, value = constraint.kind, constraint.value
+    if kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_COMPACT)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_COMPACT)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        choices = json.loads(value)
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise GrammarError("choice needs a non-empty list of strings")
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    if "::=" in value:  # GBNF / EBNF, as llama.cpp takes it
+        return llguidance.grammar_from("gbnf", value)
+    return llguidance.LLMatcher.grammar_from_lark(value)
+
+
+class Grammars:
+    """Compiles and caches grammars for one model's tokenizer (`tokenizer.json`), whose
+    end-of-text ids are the model's own (they end a constrained reply)."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, end_token_ids: list[int]) -> None:
+        self.tokenizer = llguidance.LLTokenizer(
+            str(tokenizer_json), n_vocab=vocab_size, eos_token=list(end_token_ids)
+        )
+        self.vocab_size = vocab_size
+        self._cache: dict[Constraint, str | GrammarError] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, constraint: Constraint) -> str:
+        """The checked grammar; raises GrammarError (cached, as the grammar is)."""
+        with self._lock:
+            found = self._cache.get(constraint)
+        if found is None:
+            try:
+                found = grammar_text(constraint)
+                problem = llguidance.LLMatcher.validate_grammar(found, self.tokenizer)
+                if problem and not problem.startswith("WARNING"):
+                    found = GrammarError(problem)
+            except GrammarError as e:
+                found = e
+            except (ValueError, RuntimeError, GbnfToLarkError) as e:  # the library's refusal
+                found = GrammarError(str(e))
+            with self._lock:
+                self._cache[constraint] = found
+        if isinstance(found, GrammarError):
+            raise found
+        return found
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        return Matcher(self.tokenizer, self.compile(constraint))
+
+
+class Matcher:
+    """One reply's place in its grammar: the mask of tokens allowed next, and the tokens taken."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self._matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self._check()
+
+    def bitmask(self) -> bytes:
+        """Tokens allowed next: bit t of byte t // 8 (the model's end ids once complete)."""
+        return self._matcher.compute_bitmask()
+
+    def accept(self, token_id: int) -> None:
+        """Take the sampled token; raises GrammarError if the grammar does not allow it."""
+        self._matcher.consume_token(token_id)
+        self._check()
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing more may follow but an end token."""
+        return self._matcher.is_stopped()
+
+    @property
+    def is_complete(self) -> bool:
+        """What was taken so far satisfies the grammar."""
+        return self._matcher.is_accepting()
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise GrammarError(self._matcher.get_error())

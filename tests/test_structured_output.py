@@ -1,0 +1,105 @@
+"""Structured output in the engine (quill/structured/matchers.py): every constrained reply of
+the default model parses and validates (`jsonschema`, Python's `re`: independent references),
+unconstrained requests beside them are untouched, and a bad or slow grammar fails its own
+request alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import jsonschema
+import pytest
+
+from quill import SamplingParams
+from quill.contract.constraint import Constraint
+from quill.contract.errors import InvalidRequestError
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+LIST = {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 4}
+PROMPTS = ["Describe a person as JSON:", "The capital of France is", "List some numbers:"]
+
+
+def _params(constraint: Constraint | None, **kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 80, "temperature": 0, "structured": constraint, **kw})
+
+
+def test_constrained_replies_validate_and_free_ones_are_untouched(llm):
+    free = _params(None, max_tokens=16)
+    want_free = llm.generate([PROMPTS[1]], free, use_tqdm=False)[0].outputs[0]
+    seeded = dict(temperature=1.0, seed=3)
+    params = [
+        _params(Constraint.json_schema(PERSON)),
+        free,
+        _params(Constraint.json_schema(LIST), **seeded),
+        _params(Constraint("json_object")),
+    ]
+    outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]], params, use_tqdm=False)
+    got = [o.outputs[0] for o in outs]
+    jsonschema.validate(json.loads(got[0].text), PERSON)
+    jsonschema.validate(json.loads(got[2].text), LIST)
+    assert isinstance(json.loads(got[3].text), dict)
+    assert all(g.finish_reason == "stop" for g in (got[0], got[2], got[3]))
+    assert got[1].token_ids == want_free.token_ids  # the masks touched only their own rows
+
+
+def test_regex_choice_and_a_grammar_that_only_allows_the_end(llm):
+    pattern = r"[A-Z][a-z]{2,8}, [0-9]{4}"
+    colours = ["red", "green", "blue"]
+    params = [
+        _params(Constraint("regex", pattern)),
+        _params(Constraint.choice(colours)),
+        # min_tokens cannot hold a reply the grammar has ended: the grammar wins
+        _params(Constraint.choice(["yes"]), min_tokens=10),
+    ]
+    outs = llm.generate(["A city and a year:", "My favourite colour is", "Say yes:"], params,
+                        use_tqdm=False)  # fmt: skip
+    assert re.fullmatch(pattern, outs[0].outputs[0].text)
+    assert outs[1].outputs[0].text in colours
+    assert outs[2].outputs[0].text == "yes" and outs[2].outputs[0].finish_reason == "stop"
+
+
+def test_a_bad_constraint_is_refused_naming_the_field(llm):
+    for constraint, why in [
+        (Constraint.json_schema({"type": "frobnicate"}), "frobnicate"),
+        (Constraint("regex", "(unclosed"), "regex"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=why) as e:
+            llm.engine.add_request([1, 2, 3], _params(constraint), "bad")
+        assert e.value.param == "structured"
+
+
+def test_a_grammar_past_its_deadline_fails_alone(llm, monkeypatch):
+    matchers = llm.engine.core.structured
+    slow_make = matchers._make
+
+    def slow(constraint):
+        time.sleep(0.5)
+        return slow_make(constraint)
+
+    monkeypatch.setattr(matchers, "_make", slow)
+    monkeypatch.setattr(matchers, "compile_timeout_s", 0.1)
+    free = _params(None, max_tokens=8)
+    engine = llm.engine
+    engine.add_request([5, 6, 7], _params(Constraint.json_schema(LIST)), "slow")
+    engine.add_request([5, 6, 8], free, "free")
+    engine.add_request([5, 6, 9], _params(Constraint.json_schema(PERSON)), "aborted")
+    engine.abort_request("aborted")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "did not compile within 0.1 s" in done["slow"].error
+    assert done["free"].outputs[0].finish_reason == "length"
+    assert done["aborted"].outputs[0].finish_reason == "abort"
+    kv = engine.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.num_blocks
