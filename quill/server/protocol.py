@@ -8,7 +8,7 @@ Field policy (what a client can rely on):
   their meaning (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stream_options with
   continuous_usage_stats, include_stop_str_in_output, skip_special_tokens, ...).
 - A field quill knows but does not implement is a 400 when ignoring it would silently change the
-  result (`UNSUPPORTED`: logit_bias, tools, guided decoding, ...), and accepted when its value
+  result (`UNSUPPORTED`: logit_bias, tools, ...), and accepted when its value
   asks for nothing (an empty list, false, null).
 - A field quill does not know is ignored, as vLLM does, and named in a warning in the log
   (`ignored_fields`): a client written for a newer API still works.
@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 from quill.contract.sampling_params import SamplingParams
+from quill.server.constraints import GUIDED, constraint_of
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # torch.Generator.manual_seed takes any int in this range; a seed outside it would fail inside
@@ -42,11 +44,6 @@ UNSUPPORTED: dict[str, str] = {
     "tools": "tools (function calling) are not supported",
     "functions": "functions (function calling) are not supported",
     "function_call": "function_call is not supported",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
-    "structured_outputs": "structured outputs are not supported",
     "use_beam_search": "beam search is not supported",
     "bad_words": "bad_words is not supported",
     "allowed_token_ids": "allowed_token_ids is not supported",
@@ -175,6 +172,14 @@ class _SamplingRequest(_Lenient):
     ttft_slo_ms: float | None = Field(None, gt=0)
     # Disaggregation (quill serve --role, quill router).
     kv_transfer_params: KVTransferParams | None = None
+    # Structured output: one of these a request (quill/server/constraints.py).
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _constraint: Constraint | None = PrivateAttr(None)
     # Accepted and ignored, as they change nothing about what is generated.
     user: str | None = None
     store: bool | None = None
@@ -192,6 +197,8 @@ class _SamplingRequest(_Lenient):
             raise InvalidRequestError(
                 "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
             )
+        names = ("response_format", "structured_outputs", *GUIDED)
+        self._constraint = constraint_of({name: getattr(self, name) for name in names})
         return self
 
     @property
@@ -247,6 +254,7 @@ class _SamplingRequest(_Lenient):
             min_tokens=self.min_tokens or 0,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
+            structured=self._constraint,
         )
 
 
@@ -304,7 +312,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool | None = True
-    response_format: dict | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # without tools it asks for nothing
     # OpenAI's "text" is the only output modality of a language model server.
@@ -318,10 +325,6 @@ class ChatCompletionRequest(_SamplingRequest):
             )
         if self.tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError("tools (function calling) are not supported", "tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequestError(
-                "only response_format {'type': 'text'} is supported", param="response_format"
-            )
         if self.modalities and set(self.modalities) != {"text"}:
             raise InvalidRequestError("only the text modality is supported", param="modalities")
         for m in self.messages:

@@ -32,6 +32,10 @@ _json = st.recursive(
 )
 
 
+_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar")  # fmt: skip
+
+
 def bounded(body, path: str, model: str):
     """Cap the work a drawn body asks for (at most 4 new tokens, 1 or 2 sequences), and name
     the served model in most bodies that name one (a random name is only ever a 404)."""
@@ -48,6 +52,10 @@ def bounded(body, path: str, model: str):
             body.pop("stream_options", None)
         if body.get("logprobs") is not True and path.endswith("chat/completions"):
             body.pop("top_logprobs", None)
+        for name in _CONSTRAINTS:  # a drawn schema or regex is mostly not one (a 400)
+            body.pop(name, None)
+        if path == "/v1/completions" and len(body) % 2:  # drawn token ids: mostly a 400
+            body["prompt"] = "Hello"
     for name in _CAPPED:
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = min(body[name], 4)

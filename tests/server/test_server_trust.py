@@ -50,10 +50,8 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(http, greedy, caplog):
         (COMPLETIONS, "suffix", "end"),
         (COMPLETIONS, "prompt_logprobs", 0),
         (COMPLETIONS, "use_beam_search", True),
-        (COMPLETIONS, "guided_json", {"type": "object"}),
         (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
         (CHAT, "tool_choice", "required"),
-        (CHAT, "response_format", {"type": "json_object"}),
         (CHAT, "modalities", ["text", "audio"]),
     ],
 )
