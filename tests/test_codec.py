@@ -57,6 +57,8 @@ params = st.builds(
     min_tokens=st.integers(0, 10),
     include_stop_str_in_output=st.booleans(),
     skip_special_tokens=st.booleans(),
+    logit_bias=st.none()
+    | st.dictionaries(st.integers(0, 49151), st.floats(-100, 100, allow_subnormal=False)),
     structured=st.none() | st.builds(Constraint, st.sampled_from(KINDS), st.text(max_size=20)),
 )
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quill import SamplingParams
+from quill.contract.errors import InvalidRequestError
 from quill.engine.request import Request
 from quill.frontend.detokenizer import IncrementalDetokenizer
 from quill.model.sampler import _top_k_top_p, apply_penalties
@@ -158,3 +160,22 @@ def test_detokenizer_stop_string_held_back(llm):
             break
     assert stop == "gamma"
     assert streamed == detok.text == "alpha beta "
+
+
+def test_logit_bias_bars_and_forces_tokens(llm):
+    prompt = "The capital of France is"
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = _tokens(llm, prompt, max_tokens=6, temperature=0, ignore_eos=True).token_ids
+    banned = want[0]
+    got = llm.generate([prompt], SamplingParams(**{**vars(greedy), "logit_bias": {banned: -100}}),
+                       use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    assert got[0] != banned and banned not in got
+    forced = 1234
+    got = llm.generate([prompt], SamplingParams(**{**vars(greedy), "logit_bias": {forced: 100}}),
+                       use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    assert got == [forced] * 6
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 101})
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary") as e:
+        llm.engine.add_request([1, 2], SamplingParams(logit_bias={10**6: 1.0}), "far")
+    assert e.value.param == "logit_bias"

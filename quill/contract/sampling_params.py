@@ -55,6 +55,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     # What the reply must match (a JSON schema, a regex, ...), enforced token by token.
     structured: Constraint | None = None
+    # OpenAI's: added to these tokens' logits before sampling, each in [-100, 100] (-100 bars
+    # a token in practice, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +107,9 @@ class SamplingParams:
             raise bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise bad("logit_bias", f"logit_bias of token {token_id} must be in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -52,6 +52,8 @@ class InputProcessor:
         else:
             token_ids = list(prompt)
             self.check_token_ids(token_ids)
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
         if kv_lease_s is not None and not (kv_lease_s > 0 and math.isfinite(kv_lease_s)):
             raise InvalidRequestError(f"kv_lease_s must be positive, got {kv_lease_s}")
         if remote_kv is not None:
@@ -75,13 +77,13 @@ class InputProcessor:
             remote_kv=remote_kv,
         )
 
-    def check_token_ids(self, token_ids: list[int]) -> None:
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         """Raise InvalidRequestError unless every id is in the vocabulary."""
         vocab = self.vocab_size
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise InvalidRequestError(
-                f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param="prompt"
+                f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", param=param
             )
 
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:

@@ -119,9 +119,25 @@ def prepare_logits(
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_F32_MAX)
     if any(r.sampling_params.uses_penalties for r in requests):
         logits = apply_penalties(logits, requests)
+    if any(r.sampling_params.logit_bias for r in requests):
+        logits = apply_logit_bias(logits, requests)
     if any(r.token_bitmask is not None for r in requests):
         logits = apply_token_masks(logits, requests)
     return suppress_ends(logits, requests, end_token_ids)
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
+    """Adds each row's `logit_bias` to its tokens' logits (one index_put for the step)."""
+    rows, cols, values = [], [], []
+    for i, r in enumerate(requests):
+        for token_id, bias in (r.sampling_params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token_id)
+            values.append(bias)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    logits.index_put_(index, bias, accumulate=True)
+    return logits
 
 
 def apply_token_masks(logits: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:

@@ -8,7 +8,7 @@ Field policy (what a client can rely on):
   their meaning (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stream_options with
   continuous_usage_stats, include_stop_str_in_output, skip_special_tokens, ...).
 - A field quill knows but does not implement is a 400 when ignoring it would silently change the
-  result (`UNSUPPORTED`: logit_bias, tools, ...), and accepted when its value
+  result (`UNSUPPORTED`: tools, suffix, ...), and accepted when its value
   asks for nothing (an empty list, false, null).
 - A field quill does not know is ignored, as vLLM does, and named in a warning in the log
   (`ignored_fields`): a client written for a newer API still works.
@@ -39,7 +39,6 @@ Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 # Known fields that change what is generated and that quill does not implement: refused when
 # they ask for something, so that ignoring them never changes a result silently.
 UNSUPPORTED: dict[str, str] = {
-    "logit_bias": "logit_bias is not supported",
     "suffix": "suffix (insertion) is not supported",
     "tools": "tools (function calling) are not supported",
     "functions": "functions (function calling) are not supported",
@@ -180,6 +179,8 @@ class _SamplingRequest(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     _constraint: Constraint | None = PrivateAttr(None)
+    # OpenAI's: token id (as a JSON key) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
     # Accepted and ignored, as they change nothing about what is generated.
     user: str | None = None
     store: bool | None = None
@@ -255,7 +256,18 @@ class _SamplingRequest(_Lenient):
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
             structured=self._constraint,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token_id): bias for token_id, bias in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError(
+                "logit_bias keys must be token ids (integers)", param="logit_bias"
+            ) from None
 
 
 class CompletionRequest(_SamplingRequest):

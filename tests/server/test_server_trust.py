@@ -46,7 +46,6 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(http, greedy, caplog):
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        (COMPLETIONS, "logit_bias", {"50": 10}),
         (COMPLETIONS, "suffix", "end"),
         (COMPLETIONS, "prompt_logprobs", 0),
         (COMPLETIONS, "use_beam_search", True),

@@ -96,3 +96,19 @@ def test_the_openai_clients_parse_helper(client):
 def test_a_bad_constraint_is_a_400_naming_the_field(http, path, body, param):
     base = {"prompt": "x"} if path == COMPLETIONS else {"messages": ASK}
     check_error(http.post(path, json={**base, "max_tokens": 4, **body}), 400, param)
+
+
+def test_logit_bias_forces_and_bars_tokens_over_http(client, http):
+    yes = http.post("/tokenize", json={"prompt": " yes"}).json()["tokens"]
+    assert len(yes) == 1
+    kw = dict(model=None, prompt="The capital of France is", max_tokens=3, temperature=0)
+    forced = client.completions.create(**kw, logit_bias={str(yes[0]): 100})
+    assert forced.choices[0].text == " yes yes yes"
+    free = client.completions.create(**kw).choices[0].text
+    first = http.post("/tokenize", json={"prompt": free}).json()["tokens"][0]
+    barred = client.completions.create(**kw, logit_bias={str(first): -100}).choices[0].text
+    assert barred != free and not barred.startswith(free[:2])
+    check_error(http.post(COMPLETIONS, json={"prompt": "x", "logit_bias": {"a": 1}}), 400,
+                "logit_bias")  # fmt: skip
+    check_error(http.post(COMPLETIONS, json={"prompt": "x", "logit_bias": {"5": 300}}), 400,
+                "logit_bias")  # fmt: skip
