@@ -119,6 +119,16 @@ class KVTransferStats:
 
 
 @dataclass
+class StructuredStats:
+    """Structured output's running totals on one engine (quill/structured)."""
+
+    grammars_compiled: int = 0  # matchers made (one per constrained request)
+    compile_seconds: float = 0.0
+    masks: int = 0  # token masks computed (one per constrained row per step)
+    mask_seconds: float = 0.0
+
+
+@dataclass
 class StepStats:
     """What one step did and left: the one thing observers read of the engine."""
 
@@ -135,6 +145,7 @@ class StepStats:
     prefix_cache_hits: int = 0
     price: StepPrice | None = None  # when a cost model with a hardware spec is on
     kv_transfer: KVTransferStats | None = None  # when this instance has a KV link
+    structured: StructuredStats | None = None  # when structured output is on
 
     @property
     def num_batched_tokens(self) -> int:

@@ -21,6 +21,7 @@ from quill.contract.messages import (
     RequestUpdate,
     StepPrice,
     StepStats,
+    StructuredStats,
 )
 from quill.contract.outputs import RequestMetrics
 from quill.contract.plan import RemoteKV
@@ -201,6 +202,14 @@ class EngineWorker:
             self.kv_server is not None or fetcher.links or fetcher.num_failed
         ):
             stats.kv_transfer = self._kv_transfer_stats(fetcher)
+        matchers = self.core.structured
+        if matchers is not None and matchers.num_compiled:
+            stats.structured = StructuredStats(
+                matchers.num_compiled,
+                matchers.compile_seconds,
+                matchers.num_masks,
+                matchers.mask_seconds,
+            )
         return EngineOutputs(updates, stats)
 
     def _kv_transfer_stats(self, fetcher) -> KVTransferStats:

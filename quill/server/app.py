@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 import quill
 from quill.server.chat import create_chat_completion, encode_chat
 from quill.server.completions import create_completion
+from quill.server.constraints import CONSTRAINT_FIELDS
 from quill.server.context import ServerContext
 from quill.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from quill.server.guard import ARRIVAL, RequestGuard
@@ -83,7 +84,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         try:
             req = schema.model_validate_json(await request.body())
         except ValidationError as e:
-            raise from_validation_error(e) from None
+            error = from_validation_error(e)
+            if error.param in CONSTRAINT_FIELDS:
+                ctx.metrics.structured_refused.inc()
+            raise error from None
         names = ignored_fields(req)
         if names:
             note_ignored(request.url.path, names)

@@ -21,6 +21,7 @@ from quill.contract.errors import InvalidRequestError
 from quill.structured.grammar import GrammarError, grammar_text
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *GUIDED)
 _STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from quill.contract.messages import KVTransferStats, StepStats
+from quill.contract.messages import KVTransferStats, StepStats, StructuredStats
 from quill.contract.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -43,6 +43,14 @@ _KV_TRANSFER_COUNTERS = (  # KVTransferStats field, metric, help
     ("sends", "kv_sends", "Leased prompt KV sent to decode instances."),
     ("sent_bytes", "kv_sent_bytes", "Bytes of prompt KV sent to decode instances."),
     ("lease_expiries", "kv_lease_expiries", "Leased prompt KV freed unfetched (lease ended)."),
+)
+
+
+_STRUCTURED_COUNTERS = (  # StructuredStats field, metric, help
+    ("grammars_compiled", "structured_grammars_compiled", "Constrained requests' matchers made."),
+    ("compile_seconds", "structured_compile_seconds", "Seconds spent making matchers."),
+    ("masks", "structured_masks", "Token masks computed (a constrained row in a step)."),
+    ("mask_seconds", "structured_mask_seconds", "Seconds spent computing token masks."),
 )
 
 
@@ -192,6 +200,20 @@ class ServerMetrics:
             for field, name, doc in _KV_TRANSFER_COUNTERS
         }
         self._kv_seen = KVTransferStats()
+        # Structured output (quill/structured), from the engine's running totals.
+        self._structured_counters = {
+            field: one(Counter(f"quill:{name}", doc, labels, registry=r))
+            for field, name, doc in _STRUCTURED_COUNTERS
+        }
+        self._structured_seen = StructuredStats()
+        self.structured_refused = one(
+            Counter(
+                "quill:structured_refused",
+                "Requests refused for a bad constraint (400).",
+                labels,
+                registry=r,
+            )  # fmt: skip
+        )
         self.kv_leases = one(
             Gauge("quill:kv_leases", "Prompt KV held for decode instances now.", labels, registry=r)
         )
@@ -240,6 +262,12 @@ class ServerMetrics:
             self.mbu.set(price.mbu)
         if stats.kv_transfer is not None:
             self._on_kv_transfer(stats.kv_transfer)
+        if stats.structured is not None:
+            for field, counter in self._structured_counters.items():
+                new = getattr(stats.structured, field) - getattr(self._structured_seen, field)
+                if new:
+                    counter.inc(new)
+            self._structured_seen = stats.structured
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
         self.running.set(stats.num_running)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 from quill.contract.sampling_params import SamplingParams
-from quill.server.constraints import GUIDED, constraint_of
+from quill.server.constraints import CONSTRAINT_FIELDS, constraint_of
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # torch.Generator.manual_seed takes any int in this range; a seed outside it would fail inside
@@ -198,8 +198,8 @@ class _SamplingRequest(_Lenient):
             raise InvalidRequestError(
                 "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
             )
-        names = ("response_format", "structured_outputs", *GUIDED)
-        self._constraint = constraint_of({name: getattr(self, name) for name in names})
+        fields = {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
+        self._constraint = constraint_of(fields)
         return self
 
     @property

@@ -21,7 +21,9 @@ class ReplyMatchers:
         self._making: dict[str, tuple[Future, float]] = {}  # request id -> (future, deadline)
         self._matchers: dict[str, list] = {}  # request id -> [matcher, tokens taken]
         self.num_refused = 0
+        self.num_compiled = 0
         self.compile_seconds = 0.0
+        self.num_masks = 0
         self.mask_seconds = 0.0
 
     def check(self, constraint: Constraint) -> None:
@@ -40,6 +42,7 @@ class ReplyMatchers:
         started = time.perf_counter()
         matcher = self.grammars.matcher(constraint)
         self.compile_seconds += time.perf_counter() - started
+        self.num_compiled += 1
         return matcher
 
     @property
@@ -79,6 +82,7 @@ class ReplyMatchers:
         started = time.perf_counter()
         mask = entry[0].bitmask()
         self.mask_seconds += time.perf_counter() - started
+        self.num_masks += 1
         return mask
 
     def take(self, request_id: str, output_token_ids: list[int]) -> str | None:

@@ -112,3 +112,20 @@ def test_logit_bias_forces_and_bars_tokens_over_http(client, http):
                 "logit_bias")  # fmt: skip
     check_error(http.post(COMPLETIONS, json={"prompt": "x", "logit_bias": {"5": 300}}), 400,
                 "logit_bias")  # fmt: skip
+
+
+def test_metrics_count_grammars_masks_and_refusals(client, http, scrape):
+    def value(name: str) -> float:
+        return scrape().get((name, frozenset()), 0.0)
+
+    refused = value("quill:structured_refused_total")
+    compiled = value("quill:structured_grammars_compiled_total")
+    masks = value("quill:structured_masks_total")
+    kw = dict(model=None, prompt="Answer:", max_tokens=8, temperature=0)
+    client.completions.create(**kw, extra_body={"guided_choice": ["one", "two"]})
+    bad = http.post(COMPLETIONS, json={"prompt": "x", "guided_regex": "(unclosed"})
+    assert bad.status_code == 400
+    assert value("quill:structured_refused_total") == refused + 1
+    assert value("quill:structured_grammars_compiled_total") >= compiled + 1
+    assert value("quill:structured_masks_total") > masks
+    assert value("quill:structured_mask_seconds_total") > 0
