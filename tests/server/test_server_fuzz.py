@@ -46,9 +46,9 @@ def bounded(body, path: str, model: str):
         body["model"] = model
     if not path.startswith("/v1"):
         return body
-    # Drawn constraints are left out of every body: a random grammar is the structured-output
-    # tests' business (tests/server/test_structured_api.py), and one drawn here once took the
-    # server minutes to compile (a limit on grammar compiles is still to come).
+    # Drawn constraints are left out of every body (they are not drawn, see `openapi`, but
+    # a mutated body may carry one): a random grammar is the structured-output tests'
+    # business (tests/server/test_structured_api.py).
     for name in _MOSTLY_BAD:
         body.pop(name, None)
     # Rules across fields that a JSON schema cannot state, made to hold in most bodies so that
