@@ -432,7 +432,7 @@ class EngineCore:
                     request.prompt_token_ids if history else None,
                     request.output_token_ids[:] if history else None,
                     token_bitmask=self.structured.bitmask(request.request_id)
-                    if samples and self.structured is not None
+                    if samples and params.structured is not None
                     else None,
                 )
             )
