@@ -46,6 +46,22 @@ def model_dir():
 
 
 @pytest.fixture(scope="session")
+def grammars(model_dir):
+    """Grammars for the default model's tokenizer; <|im_end|> (id 2) its end id."""
+    from quill.structured.grammar import Grammars
+
+    return Grammars(model_dir / "tokenizer.json", 49152, [2])
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    """The default model's tokenizer.json, as the `tokenizers` library reads it."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
 def llm(model_dir):
     from quill import LLM
 

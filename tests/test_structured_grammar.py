@@ -11,10 +11,9 @@ import re
 
 import jsonschema
 import pytest
-from tokenizers import Tokenizer
 
 from quill.contract.constraint import Constraint
-from quill.structured.grammar import GrammarError, Grammars
+from quill.structured.grammar import GrammarError
 
 END = 2  # SmolLM2-Instruct's <|im_end|>: the model's end id, not the tokenizer's <|endoftext|>
 
@@ -37,18 +36,16 @@ SCHEMAS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def grammars(model_dir):
-    return Grammars(model_dir / "tokenizer.json", 49152, [END])
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
 def allowed(mask: bytes, vocab: int = 49152) -> list[int]:
     return [t for t in range(vocab) if mask[t // 8] >> (t % 8) & 1]
+
+
+def closing_tokens(tokenizer) -> frozenset[int]:
+    """Tokens that only close strings, arrays and objects: a walk that picks them often ends."""
+    vocab = tokenizer.get_vocab_size()
+    return frozenset(
+        t for t in range(vocab) if (s := tokenizer.decode([t])) and set(s) <= set('}]"')
+    )
 
 
 def walk(grammars, constraint, rng, limit=400, closers=frozenset()) -> list[int]:
@@ -82,10 +79,7 @@ def test_every_walk_through_a_schema_validates(grammars, tokenizer, schema):
 
 def test_json_object_regex_choice_and_grammars(grammars, tokenizer):
     rng = random.Random(1)
-    vocab = tokenizer.get_vocab_size()
-    closers = frozenset(
-        t for t in range(vocab) if (s := tokenizer.decode([t])) and set(s) <= set('}]"')
-    )
+    closers = closing_tokens(tokenizer)
     for _ in range(4):
         text = tokenizer.decode(walk(grammars, Constraint("json_object"), rng, closers=closers))
         assert isinstance(json.loads(text), dict)

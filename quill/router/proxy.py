@@ -9,7 +9,8 @@ its start. One request id (X-Request-Id) names the request on the router and bot
 
 What the split cannot carry goes whole to one instance (a decode instance can do both phases):
 several prompts or choices, echo, logprobs (the decode instance has no logprobs for a token it
-did not sample).
+did not sample), tool calls (a stream's first token is the start of the call's JSON, which
+only the instance that writes the whole reply can read as a call).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def splittable(path: str, body: dict) -> bool:
     if body.get("n") not in (None, 1) or body.get("echo") or body.get("logprobs"):
         return False
     if body.get("top_logprobs") or body.get("prompt_logprobs"):
+        return False
+    if body.get("tools") and body.get("tool_choice") != "none":
         return False
     if (body.get("max_completion_tokens") or body.get("max_tokens")) == 1:
         return False  # the prefill instance's reply is the whole reply

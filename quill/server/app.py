@@ -27,6 +27,7 @@ from quill.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     ignored_fields,
+    template_messages,
 )
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
         def work() -> dict:
             if req.messages is not None:
-                messages = [m.as_template_dict() for m in req.messages]
+                messages = template_messages(req.messages)
                 ids = encode_chat(tok, messages, req.add_generation_prompt is not False)
             else:
                 ids = tok.encode(req.prompt or "", req.add_special_tokens is not False)

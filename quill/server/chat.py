@@ -12,6 +12,7 @@ from starlette.responses import Response, StreamingResponse
 from quill.contract.errors import InvalidRequestError, ModelLoadError
 from quill.contract.outputs import RequestOutput, TokenLogprobs
 from quill.frontend.tokenizer import Tokenizer
+from quill.frontend.tools import ToolChoice
 from quill.server.context import ServerContext
 from quill.server.generation import (
     Generation,
@@ -23,6 +24,7 @@ from quill.server.generation import (
 )
 from quill.server.kv_transfer import kv_transfer
 from quill.server.protocol import ChatCompletionRequest
+from quill.server.tools import ToolCalls
 
 
 def encode_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -59,7 +61,7 @@ async def create_chat_completion(
         scheduling |= kv.scheduling()
     gen = Generation(ctx, ctx.request_id(raw.headers, "chatcmpl"), arrival_time)
     await gen.submit([prompt], params, scheduling)
-    fmt = _Formatter(gen, model, tok, req.top_logprobs or 0)
+    fmt = _Formatter(gen, model, tok, req.top_logprobs or 0, req.tool_choice_made)
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
         return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
@@ -72,10 +74,14 @@ async def create_chat_completion(
 class _Formatter:
     """Builds OpenAI `chat.completion` and `chat.completion.chunk` objects."""
 
-    def __init__(self, gen: Generation, model: str, tok: Tokenizer, top_n: int) -> None:
+    def __init__(
+        self, gen: Generation, model: str, tok: Tokenizer, top_n: int, tools: ToolChoice | None
+    ) -> None:
         self.gen = gen
         self.tok = tok
         self.top_n = top_n
+        # Under a tool choice each choice's text is read as calls (or a text answer).
+        self.tools = None if tools is None else [ToolCalls(tools) for _ in range(gen.num_choices)]
         self.head = {"id": gen.request_id, "created": int(time.time()), "model": model}
 
     def _logprobs(self, token_ids: list[int], entries: list[TokenLogprobs] | None):
@@ -106,12 +112,17 @@ class _Formatter:
         choices = []
         for index in range(self.gen.num_choices):
             c = self.gen.finished[index].outputs[0]
+            message = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if self.tools is not None:
+                message = self.tools[index].message(c.text)
+                finish_reason = self.tools[index].finish_reason(finish_reason)
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -150,10 +161,15 @@ class _Formatter:
     def _delta_chunk(self, index: int, out: RequestOutput) -> dict | None:
         c = out.outputs[0]
         logprobs = self._logprobs(c.delta_token_ids, c.delta_logprobs)
-        if not c.delta_text and logprobs is None and not c.finished:
-            return None  # text held back (a stop string may be forming)
-        delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
-        return self._chunk(_choice(index, delta, logprobs, c.finish_reason))
+        finish_reason = c.finish_reason
+        if self.tools is not None:
+            delta = self.tools[index].delta(c.delta_text, c.finished)
+            finish_reason = self.tools[index].finish_reason(finish_reason)
+        else:
+            delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
+        if not delta and logprobs is None and not c.finished:
+            return None  # text held back (a stop string may be forming; a call not yet named)
+        return self._chunk(_choice(index, delta, logprobs, finish_reason))
 
 
 def _choice(index: int, delta: dict, logprobs, finish_reason: str | None) -> dict:

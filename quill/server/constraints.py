@@ -37,13 +37,17 @@ def constraint_of(fields: dict[str, Any]) -> Constraint | None:
     if not found:
         return None
     name, value = found[0]
-    constraint = _read(name, value)
+    return checked(_read(name, value), name)
+
+
+def checked(constraint: Constraint, param: str) -> Constraint:
+    """`constraint` if llguidance can enforce it, else a 400 naming `param` with its reason."""
     try:
         problem = llguidance.LLMatcher.validate_grammar(grammar_text(constraint))
     except GrammarError as e:
         problem = str(e)
     if problem and not problem.startswith("WARNING"):
-        raise InvalidRequestError(f"{name}: {problem}", param=name)
+        raise InvalidRequestError(f"{param}: {problem}", param=param)
     return constraint
 
 

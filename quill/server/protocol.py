@@ -8,7 +8,7 @@ Field policy (what a client can rely on):
   their meaning (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stream_options with
   continuous_usage_stats, include_stop_str_in_output, skip_special_tokens, ...).
 - A field quill knows but does not implement is a 400 when ignoring it would silently change the
-  result (`UNSUPPORTED`: tools, suffix, ...), and accepted when its value
+  result (`UNSUPPORTED`: suffix, functions, ...), and accepted when its value
   asks for nothing (an empty list, false, null).
 - A field quill does not know is ignored, as vLLM does, and named in a warning in the log
   (`ignored_fields`): a client written for a newer API still works.
@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 from quill.contract.sampling_params import SamplingParams
-from quill.server.constraints import CONSTRAINT_FIELDS, constraint_of
+from quill.frontend.tools import Function, ToolChoice, render_conversation, reply_constraint
+from quill.server.constraints import CONSTRAINT_FIELDS, checked, constraint_of
+from quill.server.tools import read_tools
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # torch.Generator.manual_seed takes any int in this range; a seed outside it would fail inside
@@ -40,7 +42,6 @@ Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 # they ask for something, so that ignoring them never changes a result silently.
 UNSUPPORTED: dict[str, str] = {
     "suffix": "suffix (insertion) is not supported",
-    "tools": "tools (function calling) are not supported",
     "functions": "functions (function calling) are not supported",
     "function_call": "function_call is not supported",
     "use_beam_search": "beam search is not supported",
@@ -305,18 +306,51 @@ class TextPart(_Lenient):
     text: str
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     # "developer" is OpenAI's newer name for "system".
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def as_template_dict(self) -> dict:
         if isinstance(self.content, list):
             text = "\n".join(part.text for part in self.content)
         else:
             text = self.content or ""
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def template_messages(
+    messages: list[ChatMessage],
+    functions: list[Function] | None = None,
+    tool_choice: ToolChoice | None = None,
+) -> list[dict]:
+    """The conversation as the chat template takes it: tool calls and results written in the
+    generic tool format (quill/frontend/tools.py), the functions offered in the system
+    message when the reply may call them."""
+    try:
+        return render_conversation([m.as_template_dict() for m in messages], functions,
+                                   tool_choice)  # fmt: skip
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="messages") from e
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -324,8 +358,12 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool | None = True
+    # Function calling (quill/server/tools.py); tool_choice defaults to "auto" with tools.
+    tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # without tools it asks for nothing
+    parallel_tool_calls: bool | None = None
+    _functions: list[Function] = PrivateAttr(default_factory=list)
+    _tool_choice: ToolChoice | None = PrivateAttr(None)
     # OpenAI's "text" is the only output modality of a language model server.
     modalities: list[str] | None = None
 
@@ -335,21 +373,40 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
             )
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tools (function calling) are not supported", "tool_choice")
+        self._functions, self._tool_choice = read_tools(
+            self.tools, self.tool_choice, self.parallel_tool_calls
+        )
+        if self._tool_choice is not None:
+            if self._constraint is not None:
+                raise InvalidRequestError(
+                    "a reply can follow structured outputs or tools, not both "
+                    '(tool_choice "none" leaves the tools unused)',
+                    param="tools",
+                )
+            self._constraint = checked(reply_constraint(self._functions, self._tool_choice),
+                                       "tools")  # fmt: skip
         if self.modalities and set(self.modalities) != {"text"}:
             raise InvalidRequestError("only the text modality is supported", param="modalities")
         for m in self.messages:
             if m.content is None and m.role != "assistant":
                 raise InvalidRequestError(f"a {m.role} message needs content", param="messages")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise InvalidRequestError("a tool message needs tool_call_id", param="messages")
+            if m.tool_calls and m.role != "assistant":
+                raise InvalidRequestError("only assistant messages have tool_calls", "messages")
         return self
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def tool_choice_made(self) -> ToolChoice | None:
+        """How the reply must use the tools (None: it is plain text)."""
+        return self._tool_choice
+
     def template_messages(self) -> list[dict]:
-        return [m.as_template_dict() for m in self.messages]
+        return template_messages(self.messages, self._functions, self._tool_choice)
 
 
 class TokenizeRequest(_Lenient):

@@ -142,6 +142,18 @@ def test_what_the_split_cannot_carry_goes_whole(split, client):
     kw = dict(model=None, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
     want = [c.text for c in client.completions.create(**kw).choices]
     assert [c.text for c in routed.completions.create(**kw).choices] == want
+    # A tool call, streamed: read as a call by the instance that writes all of it.
+    chat = dict(model=None, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                tools=[{"type": "function", "function": {"name": "weather", "parameters": {
+                    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                    "required": ["city"], "additionalProperties": False}}}],
+                tool_choice="required", max_tokens=30, temperature=0)  # fmt: skip
+    call = client.chat.completions.create(**chat).choices[0].message.tool_calls[0].function
+    deltas = [c.choices[0].delta for c in routed.chat.completions.create(**chat, stream=True)
+              if c.choices]  # fmt: skip
+    fragments = [t.function for d in deltas for t in d.tool_calls or []]
+    assert fragments[0].name == call.name
+    assert "".join(f.arguments or "" for f in fragments) == call.arguments
     assert _metrics(decode.base_url).get("quill:kv_transfers_total", 0) == before
     bad = httpx.post(f"{url}/v1/completions", headers=HEADERS, json={"prompt": "x", "top_p": 7})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"

@@ -42,7 +42,8 @@ def check_error(r: httpx.Response, status: int, param: str | None = "unset") -> 
         (COMPLETIONS, {"prompt": "x", "stop": 3}, "stop"),
         (CHAT, {"messages": "hi"}, "messages"),
         (CHAT, {"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
-        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
         # missing or empty
         (COMPLETIONS, {"max_tokens": 3}, "prompt"),
         (COMPLETIONS, {"prompt": ""}, "prompt"),

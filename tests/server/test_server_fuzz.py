@@ -32,9 +32,9 @@ _json = st.recursive(
 )
 
 
-# Fields whose drawn values are mostly a 400 (a random schema, regex or token-id key).
+# Fields whose drawn values are mostly a 400 (a random schema, regex, tool or token-id key).
 _MOSTLY_BAD = ("response_format", "structured_outputs", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "logit_bias")  # fmt: skip
+               "guided_choice", "guided_grammar", "logit_bias", "tools", "tool_choice")  # fmt: skip
 
 
 def bounded(body, path: str, model: str):

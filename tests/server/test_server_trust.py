@@ -49,8 +49,8 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(http, greedy, caplog):
         (COMPLETIONS, "suffix", "end"),
         (COMPLETIONS, "prompt_logprobs", 0),
         (COMPLETIONS, "use_beam_search", True),
-        (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
-        (CHAT, "tool_choice", "required"),
+        (CHAT, "functions", [{"name": "f"}]),
+        (CHAT, "function_call", "auto"),
         (CHAT, "modalities", ["text", "audio"]),
     ],
 )
@@ -64,7 +64,6 @@ def test_known_unsupported_fields_are_refused(http, path, field, value):
     "field, value",
     [
         ("logit_bias", {}),
-        ("tools", []),
         ("use_beam_search", False),
         ("prompt_logprobs", None),
         ("tool_choice", "none"),

@@ -1,0 +1,204 @@
+"""Tool calls in quill's generic format: the prompt that offers the tools, the constraint that
+makes a reply one well-formed call (or answer), and the reply read back as calls.
+
+SmolLM2's chat template, like many, knows nothing of tools, so quill writes them into the
+system message itself and asks for one JSON object a reply (as llama.cpp's generic format
+does): {"tool_calls": [{"name": ..., "arguments": {...}}, ...]} to call functions, or
+{"response": "..."} to answer in text. The constraint (a JSON schema of that shape, each
+function's own `parameters` as its arguments) makes every reply parse: `tool_choice` "auto"
+allows both shapes, "required" only calls, a named function only one call of it. Earlier turns
+are written in the same shape, so the model sees its own format in the conversation: calls as
+that JSON, a tool's result as a user message {"tool_response": {"name", "content"}}.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from quill.contract.constraint import Constraint
+from quill.frontend.json_spans import JsonSpans, string_prefix
+
+# The grammar writes JSON without spaces; history is written the same way.
+SEPARATORS = (",", ":")
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MODES = ("auto", "required", "named")
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of an object; None: no arguments
+
+    def offered(self) -> dict:
+        """How the prompt shows the function."""
+        shown: dict = {"name": self.name}
+        if self.description:
+            shown["description"] = self.description
+        shown["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        return shown
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """`mode` one of MODES; `name` the function a "named" choice calls."""
+
+    mode: str = "auto"
+    name: str | None = None
+    parallel: bool = False  # whether a reply may call more than one function
+
+
+def reply_constraint(functions: list[Function], choice: ToolChoice) -> Constraint:
+    """The JSON schema every reply under `choice` satisfies."""
+    chosen = [f for f in functions if choice.mode != "named" or f.name == choice.name]
+    defs, calls = {}, []
+    for i, f in enumerate(chosen):
+        ref = f"quill_tool_{i}"
+        defs[ref] = _rebased(f.parameters or {"type": "object", "properties": {}}, ref)
+        calls.append(_object({"name": {"const": f.name}, "arguments": {"$ref": f"#/$defs/{ref}"}}))
+    array: dict = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    array["minItems"] = 1
+    if not choice.parallel or choice.mode == "named":
+        array["maxItems"] = 1
+    schema = _object({"tool_calls": array})
+    if choice.mode == "auto":
+        schema = {"anyOf": [schema, _object({"response": {"type": "string"}})]}
+    return Constraint.json_schema({"$defs": defs, **schema})
+
+
+def _object(properties: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def _rebased(schema, ref: str):
+    """`schema` with its local references ("#/...") pointing into $defs/<ref>, where it goes."""
+    if isinstance(schema, dict):
+        out = {}
+        for key, value in schema.items():
+            if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+                out[key] = f"#/$defs/{ref}" + value[1:]
+            elif key in ("const", "enum", "default", "examples"):
+                out[key] = value  # data, not schemas
+            else:
+                out[key] = _rebased(value, ref)
+        return out
+    if isinstance(schema, list):
+        return [_rebased(item, ref) for item in schema]
+    return schema
+
+
+def instructions(functions: list[Function], choice: ToolChoice) -> str:
+    """The system-message text that offers the functions and asks for the reply's shape."""
+    offered = _dump([f.offered() for f in functions])
+    call = '{"tool_calls":[{"name":<function name>,"arguments":<its arguments>}]}'
+    if choice.mode == "named":
+        ask = f"Call the function {choice.name}: reply with {call}."
+    elif choice.mode == "required":
+        ask = f"Call one or more of these functions: reply with {call}."
+    else:
+        ask = (
+            f"To call one or more of them, reply with {call}; "
+            'to answer without calling any, reply with {"response":<your answer>}.'
+        )
+    return (
+        "You can call these functions (their parameters as JSON schemas):\n"
+        f"{offered}\n"
+        f"Reply with one JSON object and nothing else. {ask}"
+    )
+
+
+def render_conversation(
+    messages: list[dict], functions: list[Function] | None, choice: ToolChoice | None
+) -> list[dict]:
+    """The messages as a template without tool support takes them (role and content only).
+
+    `messages` in OpenAI's shape (content as text; `tool_calls` with arguments as JSON text;
+    `tool_call_id` on tool results). With `functions` offered, their instructions join the
+    system message and earlier text answers are written as {"response": ...}; calls and tool
+    results are written in the format whether or not tools are offered now.
+    Raises ValueError for a call whose arguments are not JSON.
+    """
+    offering = bool(functions) and choice is not None
+    names: dict[str, str] = {}  # tool call id -> function name, for the results
+    out = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                fn = call["function"]
+                names[call.get("id") or ""] = fn["name"]
+                try:
+                    arguments = json.loads(fn["arguments"])
+                except ValueError as e:
+                    raise ValueError(f"tool call {fn['name']!r} arguments are not JSON: {e}") from e
+                calls.append({"name": fn["name"], "arguments": arguments})
+            out.append({"role": "assistant", "content": _dump({"tool_calls": calls})})
+        elif role == "assistant" and offering:
+            out.append({"role": "assistant", "content": _dump({"response": content})})
+        elif role == "tool":
+            result = {"name": names.get(m.get("tool_call_id") or "", ""), "content": content}
+            out.append({"role": "user", "content": _dump({"tool_response": result})})
+        else:
+            out.append({"role": role, "content": content})
+    if offering:
+        text = instructions(functions, choice)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _dump(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=SEPARATORS)
+
+
+class ToolReply:
+    """One reply in the format, read as it is written: the text answer so far, and the calls
+    (name once whole, arguments as their JSON text so far). The same reading serves a stream
+    and a whole reply, so the pieces streamed join into exactly the whole reply's calls."""
+
+    def __init__(self) -> None:
+        self.spans = JsonSpans(max_depth=3)
+
+    def feed(self, text: str) -> None:
+        self.spans.feed(text)
+
+    def finish(self) -> None:
+        self.spans.finish()
+
+    @property
+    def is_call(self) -> bool:
+        return ("tool_calls",) in self.spans.spans
+
+    def content(self) -> str | None:
+        """The text answer so far (None if the reply is not one)."""
+        raw = self.spans.value(("response",))
+        return None if raw is None else string_prefix(raw)
+
+    def calls(self) -> list[tuple[str | None, str]]:
+        """(name, arguments text so far) of each call begun; name None until it is whole."""
+        out = []
+        index = 0
+        while ("tool_calls", index) in self.spans.spans:
+            name_path = ("tool_calls", index, "name")
+            name = None
+            if self.spans.is_whole(name_path):
+                name = json.loads(self.spans.value(name_path))
+            out.append((name, self.spans.value(("tool_calls", index, "arguments")) or ""))
+            index += 1
+        return out
+
+    def unread(self) -> str | None:
+        """The reply's text, if it is not in the format at all (a grammar would not allow it)."""
+        if self.spans.broken or (not self.is_call and ("response",) not in self.spans.spans):
+            return self.spans.text
+        return None
