@@ -6,7 +6,9 @@ reply checked by `jsonschema`; then what the masks cost the steps they are in.
    patterns, numeric bounds), one chat request each asking for JSON of that schema, all in one
    batch, greedy. Counted: replies that parse and validate, replies that did not stop (cut by
    max_tokens), the grammar compile and mask times.
-2. Cost: 16 constrained streams beside 16 free ones against the same 32 with no constraint
+2. Tool calls: `--tool-requests` (60) chat requests offering drawn functions, tool_choice
+   auto / required / named in turn; every call's arguments validated against its function.
+3. Cost: 16 constrained streams beside 16 free ones against the same 32 with no constraint
    (alternating, `--rounds`): the free ones' tokens/s and the constrained ones' tokens/s.
 
 Usage:
@@ -30,6 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.engine.machine import machine_info  # noqa: E402
 from quill import LLM, SamplingParams  # noqa: E402
 from quill.contract.constraint import Constraint  # noqa: E402
+from quill.frontend.tools import (  # noqa: E402
+    Function,
+    ToolChoice,
+    render_conversation,
+    reply_constraint,
+)
+from quill.server.tools import ToolCalls  # noqa: E402
 
 WORDS = ["name", "city", "age", "price", "tags", "owner", "items", "kind", "score", "when", "id"]
 
@@ -65,6 +74,10 @@ def node(rng: random.Random, depth: int) -> dict:
                 "maxItems": rng.randint(1, 4)}  # fmt: skip
     if kind == "anyOf":
         return {"anyOf": [node(rng, depth - 1), leaf(rng)]}
+    return obj(rng, depth)
+
+
+def obj(rng: random.Random, depth: int) -> dict:
     names = rng.sample(WORDS, rng.randint(1, 4))
     props = {n: node(rng, depth - 1) for n in names}
     required = [n for n in names if rng.random() < 0.8] or names[:1]
@@ -122,6 +135,56 @@ def validity(llm: LLM, schemas: list[dict], max_tokens: int) -> dict:
     }
 
 
+def tool_calls(llm: LLM, rng: random.Random, requests: int, max_tokens: int) -> dict:
+    """Chat requests offering 1-3 functions with drawn object parameters, tool_choice cycling
+    through auto, required and a named function, through the server's own path (the prompt
+    written by quill/frontend/tools.py, the reply read back by quill/server/tools.py); every
+    call's arguments checked by `jsonschema` against its function's parameters."""
+    asks = ["What is the weather in Paris?", "Add 3 and 4.", "Book a table for two.",
+            "Find flights to Rome.", "Tell me a joke."]  # fmt: skip
+    cases = []
+    for i in range(requests):
+        functions = [Function(f"{rng.choice(WORDS)}_{k}", "Does one thing",
+                              obj(rng, 2) if rng.random() < 0.9 else None)
+                     for k in range(rng.randint(1, 3))]  # fmt: skip
+        mode = ("auto", "required", "named")[i % 3]
+        choice = ToolChoice(mode, functions[-1].name if mode == "named" else None)
+        messages = render_conversation([{"role": "user", "content": rng.choice(asks)}],
+                                       functions, choice)  # fmt: skip
+        cases.append((functions, choice, messages))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0,
+                             structured=reply_constraint(f, c)) for f, c, _ in cases]  # fmt: skip
+    outs = llm.chat([m for _, _, m in cases], params, use_tqdm=False)
+    valid, unstopped, calls, answers, long_answers, problems = 0, 0, 0, 0, 0, []
+    for i, ((functions, choice, _), out) in enumerate(zip(cases, outs)):
+        o = out.outputs[0]
+        message = ToolCalls(choice).message(o.text)
+        if o.finish_reason != "stop":
+            if not message.get("tool_calls") and o.text.startswith('{"response":'):
+                long_answers += 1  # a text answer longer than max_tokens, as without tools
+                continue
+            unstopped += 1
+            problems.append({"request": i, "why": f"finish_reason {o.finish_reason}",
+                             "text": o.text[-120:]})  # fmt: skip
+            continue
+        schemas = {f.name: f.arguments_schema for f in functions}
+        try:
+            if not message.get("tool_calls"):
+                assert choice.mode == "auto" and isinstance(message["content"], str), "no call"
+                answers += 1
+            for call in message.get("tool_calls", []):
+                fn = call["function"]
+                assert choice.mode != "named" or fn["name"] == choice.name, "wrong function"
+                jsonschema.validate(json.loads(fn["arguments"]), schemas[fn["name"]])
+                calls += 1
+            valid += 1
+        except (AssertionError, KeyError, ValueError, jsonschema.ValidationError) as e:
+            problems.append({"request": i, "why": str(e)[:200], "text": o.text[:200]})
+    return {"requests": requests, "valid": valid, "did_not_stop": unstopped, "calls": calls,
+            "text_answers": answers, "text_answers_cut_by_max_tokens": long_answers,
+            "problems": problems}  # fmt: skip
+
+
 def cost(llm: LLM, rounds: int, tokens: int) -> dict:
     """16 free + 16 constrained against 32 free, alternating; tokens/s of each group."""
     city = {"type": "object", "properties": {"name": {"type": "string"}, "facts": {"type": "array",
@@ -160,6 +223,7 @@ def main() -> int:
     parser.add_argument("--schemas", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--tool-requests", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cost-tokens", type=int, default=64)
     parser.add_argument("--json", default=None)
@@ -172,6 +236,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d"),
         "command": " ".join(sys.argv),
         "validity": validity(llm, schemas, args.max_tokens),
+        "tool_calls": tool_calls(llm, rng, args.tool_requests, args.max_tokens),
         "cost": cost(llm, args.rounds, args.cost_tokens),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1)[:4000])

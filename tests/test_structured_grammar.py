@@ -13,7 +13,12 @@ import jsonschema
 import pytest
 
 from quill.contract.constraint import Constraint
-from quill.structured.grammar import GrammarError
+from quill.structured.grammar import (
+    MAX_FRACTION_DIGITS,
+    MAX_INTEGER_DIGITS,
+    GrammarError,
+    bounded_numbers,
+)
 
 END = 2  # SmolLM2-Instruct's <|im_end|>: the model's end id, not the tokenizer's <|endoftext|>
 
@@ -116,3 +121,41 @@ def test_bad_constraints_say_why_and_are_cached(grammars):
     matcher = grammars.matcher(good)
     with pytest.raises(GrammarError):
         matcher.accept(END)  # an end before the object: the grammar refuses it
+
+
+def test_numbers_end_however_a_reply_repeats_a_digit(grammars, tokenizer):
+    """A walk that always picks a digit token where one is allowed still ends: numbers are
+    bounded to MAX_INTEGER_DIGITS and MAX_FRACTION_DIGITS digits, and stay valid."""
+    digits = [t for t in range(tokenizer.get_vocab_size()) if tokenizer.decode([t]) == "2"]
+    for schema in ({"type": "number"}, {"type": "integer"}, {"type": "number", "minimum": 0.5},
+                   {"type": ["number", "null"], "maximum": 3}):  # fmt: skip
+        matcher = grammars.matcher(Constraint.json_schema(schema))
+        text = ""
+        for _ in range(60):
+            choices = allowed(matcher.bitmask())
+            pick = [t for t in digits if t in choices] or [t for t in choices if t != END]
+            if not pick or tokenizer.decode([pick[0]]) not in "0123456789.":
+                break
+            if pick[0] not in digits and "." in text:
+                break
+            matcher.accept(pick[0])
+            text += tokenizer.decode([pick[0]])
+        assert END in allowed(matcher.bitmask()), (schema, text)
+        assert len(text.replace(".", "")) <= MAX_INTEGER_DIGITS + MAX_FRACTION_DIGITS + 1
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_bounding_numbers_keeps_the_schemas_own_bounds():
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 1e20},
+            "k": {"type": "integer", "maximum": 7},
+            "e": {"enum": [{"type": "number"}]},
+        },
+    }
+    assert bounded_numbers(schema)["properties"] == {
+        "n": {"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 1e20},
+        "k": {"type": "integer", "maximum": 7, "minimum": -(10**MAX_INTEGER_DIGITS - 1)},
+        "e": {"enum": [{"type": "number"}]},  # data, left alone
+    }  # fmt: skip

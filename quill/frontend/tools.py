@@ -32,12 +32,20 @@ class Function:
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of an object; None: no arguments
 
+    @property
+    def arguments_schema(self) -> dict:
+        """The schema of the call's arguments: without parameters, exactly {} (OpenAI's
+        meaning of a function that declares none)."""
+        if self.parameters is None:
+            return {"type": "object", "properties": {}, "additionalProperties": False}
+        return self.parameters
+
     def offered(self) -> dict:
         """How the prompt shows the function."""
         shown: dict = {"name": self.name}
         if self.description:
             shown["description"] = self.description
-        shown["parameters"] = self.parameters or {"type": "object", "properties": {}}
+        shown["parameters"] = self.arguments_schema
         return shown
 
 
@@ -56,7 +64,7 @@ def reply_constraint(functions: list[Function], choice: ToolChoice) -> Constrain
     defs, calls = {}, []
     for i, f in enumerate(chosen):
         ref = f"quill_tool_{i}"
-        defs[ref] = _rebased(f.parameters or {"type": "object", "properties": {}}, ref)
+        defs[ref] = _rebased(f.arguments_schema, ref)
         calls.append(_object({"name": {"const": f.name}, "arguments": {"$ref": f"#/$defs/{ref}"}}))
     array: dict = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     array["minItems"] = 1
