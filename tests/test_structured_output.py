@@ -103,3 +103,23 @@ def test_a_grammar_past_its_deadline_fails_alone(llm, monkeypatch):
     assert done["aborted"].outputs[0].finish_reason == "abort"
     kv = engine.scheduler.kv
     assert kv.pool.num_free_blocks == kv.num_blocks
+
+
+def test_a_grammar_whose_masks_grow_past_the_budget_fails_alone(llm):
+    """An ambiguous grammar's parse grows with the reply (here a mask costs ~1 ms by 40
+    tokens and ~300 ms by 200); past the budget the reply ends in error, and the request
+    beside it writes what it writes alone."""
+    engine, tok = llm.engine, llm.tokenizer
+    with_b = {t: -100 for t in range(tok.vocab_size) if "b" in tok.decode([t])}  # only a's
+    ambiguous = Constraint("grammar", 'start: x "b"\nx: "a" | x x | x x x | x x x x')
+    free = _params(None, max_tokens=40, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], free, use_tqdm=False)[0].outputs[0].text
+    engine.add_request("Write a's:", _params(ambiguous, max_tokens=400, logit_bias=with_b), "slow")
+    engine.add_request("The capital of France is", free, "free")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "mask took" in done["slow"].error
+    assert set(done["slow"].outputs[0].text) == {"a"}
+    assert done["free"].outputs[0].text == alone
+    assert engine.core.structured.num_over_budget >= 1

@@ -126,6 +126,7 @@ class StructuredStats:
     compile_seconds: float = 0.0
     masks: int = 0  # token masks computed (one per constrained row per step)
     mask_seconds: float = 0.0
+    over_budget: int = 0  # replies ended for a mask that cost more than its budget
 
 
 @dataclass

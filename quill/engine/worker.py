@@ -209,6 +209,7 @@ class EngineWorker:
                 matchers.compile_seconds,
                 matchers.num_masks,
                 matchers.mask_seconds,
+                matchers.num_over_budget,
             )
         return EngineOutputs(updates, stats)
 

@@ -51,6 +51,7 @@ _STRUCTURED_COUNTERS = (  # StructuredStats field, metric, help
     ("compile_seconds", "structured_compile_seconds", "Seconds spent making matchers."),
     ("masks", "structured_masks", "Token masks computed (a constrained row in a step)."),
     ("mask_seconds", "structured_mask_seconds", "Seconds spent computing token masks."),
+    ("over_budget", "structured_over_budget", "Replies ended: a token mask over its budget."),
 )
 
 

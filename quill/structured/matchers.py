@@ -12,15 +12,28 @@ from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 from quill.structured.grammar import GrammarError, Grammars, Matcher
 
+# The most one token's mask may cost: masks are computed on the engine thread, so a grammar
+# whose parse grows with the reply (an ambiguous Lark grammar can reach a third of a second a
+# token within 200 tokens) would slow every neighbour's step. Typical masks cost 0.1 ms.
+MASK_BUDGET_S = 0.025
+
 
 class ReplyMatchers:
-    def __init__(self, grammars: Grammars, compile_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        grammars: Grammars,
+        compile_timeout_s: float = 10.0,
+        mask_budget_s: float = MASK_BUDGET_S,
+    ) -> None:
         self.grammars = grammars
         self.compile_timeout_s = compile_timeout_s
+        self.mask_budget_s = mask_budget_s
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="quill-grammar")
         self._making: dict[str, tuple[Future, float]] = {}  # request id -> (future, deadline)
-        self._matchers: dict[str, list] = {}  # request id -> [matcher, tokens taken]
+        # request id -> [matcher, tokens taken, seconds its last mask took]
+        self._matchers: dict[str, list] = {}
         self.num_refused = 0
+        self.num_over_budget = 0
         self.num_compiled = 0
         self.compile_seconds = 0.0
         self.num_masks = 0
@@ -56,7 +69,7 @@ class ReplyMatchers:
             if future.done():
                 del self._making[request_id]
                 try:
-                    self._matchers[request_id] = [future.result(), 0]
+                    self._matchers[request_id] = [future.result(), 0, 0.0]
                     done.append(request_id)
                 except GrammarError as e:
                     failed[request_id] = f"structured output: {e}"
@@ -81,16 +94,25 @@ class ReplyMatchers:
             return None
         started = time.perf_counter()
         mask = entry[0].bitmask()
-        self.mask_seconds += time.perf_counter() - started
+        entry[2] = time.perf_counter() - started
+        self.mask_seconds += entry[2]
         self.num_masks += 1
         return mask
 
     def take(self, request_id: str, output_token_ids: list[int]) -> str | None:
-        """Take the reply's tokens not yet taken; why the grammar refused one, or None."""
+        """Take the reply's tokens not yet taken; why the grammar refused one (or its last
+        mask cost more than the budget), or None."""
         entry = self._matchers.get(request_id)
         if entry is None:
             return None
-        matcher, taken = entry
+        matcher, taken, mask_seconds = entry
+        if mask_seconds > self.mask_budget_s:
+            self.num_over_budget += 1
+            return (
+                f"structured output: one token's mask took {mask_seconds * 1e3:.1f} ms, more "
+                f"than the {self.mask_budget_s * 1e3:g} ms a reply may add to every step "
+                "(the grammar's parse grows with the reply; make it less ambiguous)"
+            )
         try:
             for token in output_token_ids[taken:]:
                 matcher.accept(token)
