@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from quill.config import EngineConfig
+from quill.contract.errors import InvalidRequestError
 from quill.contract.outputs import RequestOutput
 from quill.contract.sampling_params import SamplingParams
 from quill.engine.llm_engine import LLMEngine
+from quill.frontend.tools import read_tools, render_conversation, reply_constraint
 
 Prompt = str | list[int] | dict
 
@@ -92,11 +95,33 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate.
+
+        `tools`, `tool_choice`, `parallel_tool_calls` as in OpenAI's API: the functions are
+        offered in the prompt and each reply held to the generic tool format (one JSON
+        object: calls or, under "auto", a text answer); `quill.server.tools.ToolCalls(choice)
+        .message(output.text)` reads a reply as OpenAI's message.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        functions, choice = read_tools(tools, tool_choice, parallel_tool_calls)
+        if choice is not None:
+            constraint = reply_constraint(functions, choice)
+            many = not (sampling_params is None or isinstance(sampling_params, SamplingParams))
+            given = list(sampling_params) if many else [sampling_params or SamplingParams()]
+            if any(p.structured is not None for p in given):
+                raise InvalidRequestError("tools and a structured output constraint exclude "
+                                          "each other", param="tools")  # fmt: skip
+            given = [replace(p, structured=constraint) for p in given]
+            sampling_params = given if many else given[0]
         prompts = [
-            self.tokenizer.encode_chat(c, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.encode_chat(
+                render_conversation(c, functions, choice),
+                add_generation_prompt=add_generation_prompt,
+            )
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

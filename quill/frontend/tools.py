@@ -1,5 +1,6 @@
-"""Tool calls in quill's generic format: the prompt that offers the tools, the constraint that
-makes a reply one well-formed call (or answer), and the reply read back as calls.
+"""Tool calls in quill's generic format: OpenAI's `tools` and `tool_choice` read (an
+InvalidRequestError naming the field for anything wrong), the prompt that offers the tools, the
+constraint that makes a reply one well-formed call (or answer), and the reply read back as calls.
 
 SmolLM2's chat template, like many, knows nothing of tools, so quill writes them into the
 system message itself and asks for one JSON object a reply (as llama.cpp's generic format
@@ -18,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from quill.contract.constraint import Constraint
+from quill.contract.errors import InvalidRequestError
 from quill.frontend.json_spans import JsonSpans, string_prefix
 
 # The grammar writes JSON without spaces; history is written the same way.
@@ -56,6 +58,69 @@ class ToolChoice:
     mode: str = "auto"
     name: str | None = None
     parallel: bool = False  # whether a reply may call more than one function
+
+
+def read_tools(
+    tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool | None
+) -> tuple[list[Function], ToolChoice | None]:
+    """The functions offered and how the reply must use them (None: tools are not used, as
+    with tool_choice "none"). `tools` as the request gave them (each {"type", "function"})."""
+    if tools is not None and not tools:
+        raise InvalidRequestError("tools must not be empty (leave it out instead)", "tools")
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise InvalidRequestError(
+                "tool_choice is only allowed when tools are specified", "tool_choice"
+            )
+        return [], None
+    functions = [_function(tool, i) for i, tool in enumerate(tools)]
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tools: function names must be unique", "tools")
+    # One call a reply unless parallel_tool_calls asks for more (llama-server's default, not
+    # OpenAI's): a small model asked for "one or more" calls tends to repeat its call until
+    # max_tokens, and the reply then neither ends nor parses.
+    parallel = parallel is True
+    if tool_choice in (None, "auto", "required"):
+        return functions, ToolChoice(tool_choice or "auto", parallel=parallel)
+    if tool_choice == "none":
+        return functions, None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in names:
+            raise InvalidRequestError(
+                f"tool_choice names the function {name!r}, which is not in tools", "tool_choice"
+            )
+        return functions, ToolChoice("named", name, parallel=False)
+    raise InvalidRequestError(
+        'tool_choice must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
+
+
+def _function(tool: dict, index: int) -> Function:
+    where = f"tools.{index}"
+    if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise InvalidRequestError(f'{where}: a tool must be {{"type": "function", '
+                                  '"function": {...}}', "tools")  # fmt: skip
+    fn = tool["function"]
+    name = fn.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise InvalidRequestError(
+            f"{where}.function.name must be 1-64 letters, digits, _ or -", "tools"
+        )
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise InvalidRequestError(f"{where}.function.description must be a string", "tools")
+    parameters = fn.get("parameters")
+    if parameters is not None and (
+        not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
+    ):
+        raise InvalidRequestError(
+            f"{where}.function.parameters must be a JSON schema of an object", "tools"
+        )
+    return Function(name, description, parameters)
 
 
 def reply_constraint(functions: list[Function], choice: ToolChoice) -> Constraint:

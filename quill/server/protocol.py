@@ -26,9 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 from quill.contract.sampling_params import SamplingParams
-from quill.frontend.tools import Function, ToolChoice, render_conversation, reply_constraint
+from quill.frontend.tools import (
+    Function,
+    ToolChoice,
+    read_tools,
+    render_conversation,
+    reply_constraint,
+)
 from quill.server.constraints import CONSTRAINT_FIELDS, checked, constraint_of
-from quill.server.tools import read_tools
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # torch.Generator.manual_seed takes any int in this range; a seed outside it would fail inside

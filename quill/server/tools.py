@@ -1,6 +1,5 @@
-"""Tool calling over the chat API: OpenAI's `tools` and `tool_choice` read into the generic
-format's functions and choice (a 400 naming the field for anything wrong), and each choice's
-reply turned back into `message.tool_calls` or into the stream's deltas.
+"""Tool calls in the chat API's replies: each choice's reply, in the generic tool format
+(quill/frontend/tools.py), turned into `message.tool_calls` or into the stream's deltas.
 
 The stream and the whole reply are built by one `ToolCalls` reading the same text, so a
 client that joins the deltas (id and name once per call, then argument fragments keyed by
@@ -11,71 +10,7 @@ from __future__ import annotations
 
 import uuid
 
-from quill.contract.errors import InvalidRequestError
-from quill.frontend.tools import NAME, Function, ToolChoice, ToolReply
-
-
-def read_tools(
-    tools: list[dict] | None, tool_choice: str | dict | None, parallel: bool | None
-) -> tuple[list[Function], ToolChoice | None]:
-    """The functions offered and how the reply must use them (None: tools are not used, as
-    with tool_choice "none"). `tools` as the request gave them (each {"type", "function"})."""
-    if tools is not None and not tools:
-        raise InvalidRequestError("tools must not be empty (leave it out instead)", "tools")
-    if not tools:
-        if tool_choice not in (None, "none"):
-            raise InvalidRequestError(
-                "tool_choice is only allowed when tools are specified", "tool_choice"
-            )
-        return [], None
-    functions = [_function(tool, i) for i, tool in enumerate(tools)]
-    names = [f.name for f in functions]
-    if len(set(names)) != len(names):
-        raise InvalidRequestError("tools: function names must be unique", "tools")
-    # One call a reply unless parallel_tool_calls asks for more (llama-server's default, not
-    # OpenAI's): a small model asked for "one or more" calls tends to repeat its call until
-    # max_tokens, and the reply then neither ends nor parses.
-    parallel = parallel is True
-    if tool_choice in (None, "auto", "required"):
-        return functions, ToolChoice(tool_choice or "auto", parallel=parallel)
-    if tool_choice == "none":
-        return functions, None
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
-        if name not in names:
-            raise InvalidRequestError(
-                f"tool_choice names the function {name!r}, which is not in tools", "tool_choice"
-            )
-        return functions, ToolChoice("named", name, parallel=False)
-    raise InvalidRequestError(
-        'tool_choice must be "none", "auto", "required" or '
-        '{"type": "function", "function": {"name": ...}}',
-        "tool_choice",
-    )
-
-
-def _function(tool: dict, index: int) -> Function:
-    where = f"tools.{index}"
-    if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise InvalidRequestError(f'{where}: a tool must be {{"type": "function", '
-                                  '"function": {...}}', "tools")  # fmt: skip
-    fn = tool["function"]
-    name = fn.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise InvalidRequestError(
-            f"{where}.function.name must be 1-64 letters, digits, _ or -", "tools"
-        )
-    description = fn.get("description")
-    if description is not None and not isinstance(description, str):
-        raise InvalidRequestError(f"{where}.function.description must be a string", "tools")
-    parameters = fn.get("parameters")
-    if parameters is not None and (
-        not isinstance(parameters, dict) or parameters.get("type", "object") != "object"
-    ):
-        raise InvalidRequestError(
-            f"{where}.function.parameters must be a JSON schema of an object", "tools"
-        )
-    return Function(name, description, parameters)
+from quill.frontend.tools import ToolChoice, ToolReply
 
 
 class ToolCalls:
