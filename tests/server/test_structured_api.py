@@ -54,7 +54,11 @@ def test_completions_take_every_kind_of_constraint(client):
         body = dict(model=None, prompt="Answer:", max_tokens=60, temperature=0, extra_body=extra)
         return client.completions.create(**body).choices[0].text
 
-    jsonschema.validate(json.loads(text(guided_json=CITY)), CITY)
+    whole = text(guided_json=CITY)
+    jsonschema.validate(json.loads(whole), CITY)
+    body = dict(model=None, prompt="Answer:", max_tokens=60, temperature=0, stream=True,
+                extra_body={"guided_json": CITY})  # fmt: skip
+    assert "".join(c.choices[0].text for c in client.completions.create(**body)) == whole
     jsonschema.validate(json.loads(text(structured_outputs={"json": CITY})), CITY)
     assert re.fullmatch(
         r"[0-9]{3}-[a-z]{2}", text(structured_outputs={"regex": r"[0-9]{3}-[a-z]{2}"})
