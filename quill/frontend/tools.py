@@ -65,10 +65,8 @@ def read_tools(
 ) -> tuple[list[Function], ToolChoice | None]:
     """The functions offered and how the reply must use them (None: tools are not used, as
     with tool_choice "none"). `tools` as the request gave them (each {"type", "function"})."""
-    if tools is not None and not tools:
-        raise InvalidRequestError("tools must not be empty (leave it out instead)", "tools")
-    if not tools:
-        if tool_choice not in (None, "none"):
+    if not tools:  # an empty list asks for nothing (clients send one; OpenAI refuses it)
+        if tool_choice not in (None, "none", "auto"):
             raise InvalidRequestError(
                 "tool_choice is only allowed when tools are specified", "tool_choice"
             )

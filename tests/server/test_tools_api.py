@@ -149,8 +149,8 @@ BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type":
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"tools": []}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [], "tool_choice": NAMED}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
