@@ -121,6 +121,8 @@ def write_random_checkpoint(directory, model_dir, kind: str, heads: int, kv_head
     )
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     torch.manual_seed(0)

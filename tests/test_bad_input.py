@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from quill import LLM, SamplingParams
@@ -120,8 +122,24 @@ def test_gguf_of_unsupported_architecture(tmp_path):
 
 def test_hf_directory_of_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
-    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel") as refused:
         LLM(str(tmp_path), dtype="float32")
+    for known in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM"):
+        assert known in str(refused.value)  # the refusal lists what quill runs
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("partial_rotary_factor", 0.75, "partial_rotary_factor"),
+        ("rope_scaling", {"rope_type": "longrope", "short_factor": [1.0]}, "longrope"),
+    ],
+)
+def test_a_config_field_quill_does_not_model_is_refused(tmp_path, model_dir, field, value, why):
+    config = json.loads((model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ModelLoadError, match=why):
+        LLM(str(tmp_path), load_format="dummy", tokenizer=str(model_dir), dtype="float32")
 
 
 def test_tensor_of_wrong_shape(tmp_path, model_dir):

@@ -459,3 +459,30 @@ def test_products_of_few_rows_are_charged_their_measured_rate():
     assert plain.price(BatchShape.decodes(4, 10)).linear_flops_effective == four.linear_flops
     with pytest.raises(ValueError, match="matmul_rates"):
         HardwareSpec("cpu", {"bfloat16": 1e11}, 1e10, 8e9, matmul_rates={"layers": [[0, 1e9]]})
+
+
+def test_a_sparse_mlp_by_hand():
+    """A Qwen3-MoE shape: 2 layers, layer 0 dense, layer 1 with 8 experts of width 32, 2 a
+    token. FLOPs count the experts a token runs; bytes, the experts its step's tokens touch."""
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000,
+              "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "mlp_only_layers": [0]}  # fmt: skip
+    spec = ModelSpec.from_hf_config(config)
+    # Per layer: q 64*64 + k, v 64*32 each + o 64*64 + 2 norms of 64 + q/k norms of 16 = 12,448.
+    # MLPs: dense 3*64*128 = 24,576; sparse 8 experts * (3*64*32 + a router row of 64) = 49,664.
+    # Embedding and head 1000*64 each, final norm 64.
+    assert spec.num_params == 2 * 12_448 + 24_576 + 49_664 + 2 * 64_000 + 64 == 227_200
+    # Matmuls per token: attention 2*(2*64*64 + 2*64*32) = 24,576; dense MLP 24,576; the
+    # sparse layer's 2 experts 2*6,144 and the router 64*8: 12,800.
+    assert spec.linear_params == 24_576 + 24_576 + 12_800 == 61_952
+    # Bytes (2 a weight): all but the input table, less the experts a step does not touch:
+    # one token touches 2 of 8 (6 untouched); 3 tokens 8*(1 - (3/4)^3) = 4.625 (3.375 not).
+    expert = 3 * 64 * 32 * 2
+    assert spec.weight_bytes == (227_200 - 64_000) * 2
+    assert spec.weight_bytes_for(1) == pytest.approx(spec.weight_bytes - 6 * expert)
+    assert spec.weight_bytes_for(3) == pytest.approx(spec.weight_bytes - 3.375 * expert)
+    cost = CostModel(spec, SLOW).price(BatchShape.decodes(1, 10))
+    assert cost.weight_bytes == pytest.approx(spec.weight_bytes - 6 * expert)
+    assert cost.linear_flops == 2 * 61_952 + 2 * 64 * 1000

@@ -7,7 +7,7 @@ import torch
 
 from quill import LLM, SamplingParams
 from quill.model.config import ModelConfig
-from quill.model.llama import rope_inv_freq
+from quill.model.layers import rope_inv_freq
 from tests.conftest import write_tiny_config
 
 
@@ -29,8 +29,54 @@ def test_gguf_weights_match_transformers_gguf_loader():
         assert torch.equal(ours[name], ref[name].float()), name
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral", "head_dim_48"])
+@pytest.mark.parametrize(
+    "kind", ["llama3", "qwen2", "qwen2.5", "qwen3", "qwen3_moe", "phi3", "mistral", "head_dim_48"]
+)
 def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
+    ref = _tiny_checkpoint(tmp_path, kind)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        quantization="none",
+        kv_cache_memory=16 << 20,
+    )
+    prompts = [[5, 17, 300, 4000], list(range(100, 190))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs, strict=True):
+        t = torch.tensor([ids])
+        with torch.inference_mode():
+            expected = ref.generate(
+                t,
+                attention_mask=torch.ones_like(t),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist(), kind
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_every_family_runs_quantized(tmp_path, kind, quantization):
+    """Each family's products in int8 and 4-bit: the float model's next token stays among
+    the quantized model's five likeliest, prompt after prompt (the experts stay float)."""
+    _tiny_checkpoint(tmp_path, kind)
+    prompts = [[5, 17, 300, 4000], list(range(100, 190)), [7] * 40]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    runs = {}
+    for q in ("none", quantization):
+        llm = LLM(str(tmp_path), dtype="float32", quantization=q, kv_cache_memory=16 << 20)
+        runs[q] = llm.generate(prompts, params, use_tqdm=False)
+        llm.close()
+    for exact, quantized in zip(runs["none"], runs[quantization], strict=True):
+        assert exact.outputs[0].token_ids[0] in quantized.outputs[0].logprobs[0]
+
+
+def _tiny_checkpoint(tmp_path, kind: str):
+    """A tiny randomly initialised transformers model of `kind`, saved (sharded) to
+    `tmp_path` with the default model's tokenizer; returns the reference model."""
     import transformers
 
     common = dict(
@@ -59,6 +105,20 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**common)
         cls = transformers.Qwen2ForCausalLM
+    elif kind == "qwen2.5":  # Qwen2.5's small models: Qwen2's layers, tied embeddings
+        config = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
+        cls = transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":  # q/k norms, an explicit head dim wider than hidden / heads
+        config = transformers.Qwen3Config(**common, head_dim=32)
+        cls = transformers.Qwen3ForCausalLM
+    elif kind == "qwen3_moe":  # 8 experts, 2 a token; layer 0 dense, layer 1 sparse
+        config = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=8,
+                                             num_experts_per_tok=2, moe_intermediate_size=32,
+                                             norm_topk_prob=True, mlp_only_layers=[0])  # fmt: skip
+        cls = transformers.Qwen3MoeForCausalLM
+    elif kind == "phi3":  # q/k/v and gate/up fused in the checkpoint
+        config = transformers.Phi3Config(**common, pad_token_id=0)
+        cls = transformers.Phi3ForCausalLM
     elif kind == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=None)
         cls = transformers.MistralForCausalLM
@@ -76,28 +136,7 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_text((default_model_dir() / name).read_text())
-
-    llm = LLM(
-        str(tmp_path),
-        dtype="float32",
-        kv_cache_dtype="float32",
-        quantization="none",
-        kv_cache_memory=16 << 20,
-    )
-    prompts = [[5, 17, 300, 4000], list(range(100, 190))]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    for ids, out in zip(prompts, outs, strict=True):
-        t = torch.tensor([ids])
-        with torch.inference_mode():
-            expected = ref.generate(
-                t,
-                attention_mask=torch.ones_like(t),
-                max_new_tokens=8,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist(), kind
+    return ref
 
 
 def test_a_head_dim_the_fused_native_layer_cannot_take_runs_on_the_op_path(tmp_path, model_dir):
@@ -168,3 +207,94 @@ def test_load_gguf_directly(tmp_path):
     llm = LLM(str(default_gguf_path()), dtype="float32", kv_cache_memory=16 << 20)
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=3, temperature=0))
     assert out[0].outputs[0].text.strip().startswith("Paris")
+
+
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+}  # fmt: skip
+
+
+def _write_gguf(path, arch: str, ref, config: dict) -> None:
+    """The checkpoint as llama.cpp's converter lays it out (names, stacked experts; qwen
+    architectures keep q and k unpermuted), written with gguf's own writer."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    if arch == "qwen3moe":
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+    state = {k: v.numpy() for k, v in ref.state_dict().items()}
+    for name, w in state.items():
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight",
+                         "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]  # fmt: skip
+            writer.add_tensor(gguf_name, w)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest == "mlp.experts.gate_up_proj":  # transformers 5 stacks the experts in memory:
+            half = w.shape[1] // 2  # [experts, 2 * inter, hidden], gate rows then up rows
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half].copy())
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", w[:, half:].copy())
+            continue
+        if rest == "mlp.experts.down_proj":
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", w)
+            continue
+        kind, _, suffix = rest.rpartition(".")
+        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER_NAMES[kind]}.{suffix}", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_gguf_of_qwen3_and_qwen3_moe_matches_transformers(tmp_path, model_dir, arch):
+    import json
+
+    import transformers
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, head_dim=32)  # fmt: skip
+    if arch == "qwen3":
+        ref = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    else:
+        ref = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, mlp_only_layers=[0]))  # fmt: skip
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.2)
+    ref.eval()
+    config = json.loads(ref.config.to_json_string())
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, ref, config)
+    llm = LLM(str(path), tokenizer=str(model_dir), dtype="float32", kv_cache_dtype="float32",
+              quantization="none", kv_cache_memory=16 << 20)  # fmt: skip
+    prompts = [[5, 17, 300, 4000], list(range(100, 190))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs, strict=True):
+        t = torch.tensor([ids])
+        with torch.inference_mode():
+            expected = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=32,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist(), arch

@@ -9,6 +9,7 @@ killed between steps, a size the model cannot split.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -53,6 +54,7 @@ VARIANTS = {
     "llama, 12 query / 6 KV heads": ("llama", 12, 6),
     "llama, one KV head (replicated)": ("llama", 6, 1),
     "qwen2, q/k/v biases": ("qwen2", 12, 6),
+    "qwen3, q/k norms": ("qwen3", 12, 6),
 }
 
 
@@ -78,9 +80,15 @@ def test_default_model_at_tp3_matches_one_rank(llm, model_dir):
         _assert_same(_run(three), want)
 
 
-def test_a_size_that_cannot_split_is_refused_before_starting(model_dir):
+def test_a_size_that_cannot_split_is_refused_before_starting(model_dir, tmp_path):
     with pytest.raises(ModelLoadError, match=r"9 query heads do not divide among 2 ranks"):
         _engine(str(model_dir), 2)
+    config = json.loads((model_dir / "config.json").read_text())
+    config |= {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="experts is not supported"):
+        _engine(str(tmp_path), 2, load_format="dummy", tokenizer=str(model_dir))
 
 
 def _fails_within(llm: LLM, seconds: float, signum: int, rank: int = 1) -> None:

@@ -75,7 +75,8 @@ class CostAccountant:
         if self.cost_model is not None:
             cost = self.cost_model.price(BatchShape.from_plan(plan))
             self.last = PricedStep(cost, measured)
-        weight_share = model.weight_bytes / max(len(plan.seqs), 1)
+        num_tokens = sum(len(s.token_ids) for s in plan.seqs)
+        weight_share = model.weight_bytes_for(num_tokens) / max(len(plan.seqs), 1)
         shares = []
         for s in plan.seqs:
             n = len(s.token_ids)

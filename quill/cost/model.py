@@ -52,6 +52,12 @@ class ModelSpec:
     attention_bias: bool = False
     kv_bytes_per_element: float | None = None
     dtype: str | None = None
+    # A sparse MLP (Qwen3-MoE): in `num_sparse_layers` layers the MLP is `num_experts`
+    # experts of width `expert_intermediate_size`, `experts_per_token` run for each token.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    num_sparse_layers: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_params, int) or self.num_params <= 0:
@@ -102,11 +108,23 @@ class ModelSpec:
         except KeyError as e:
             raise ValueError(f"model config lacks {e.args[0]!r}") from None
         h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        layer = h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size + 2 * h
+        layer = h * q + 2 * h * kv + q * h + 2 * h
         if c.attention_bias:
             layer += q + 2 * kv
+        if c.qk_norm:
+            layer += 2 * c.head_dim
+        sparse = len(c.moe.layers) if c.moe else 0
+        mlps = (c.num_layers - sparse) * 3 * h * c.intermediate_size
+        if c.moe:  # every expert, and the router
+            mlps += sparse * c.moe.num_experts * (3 * h * c.moe.intermediate_size + h)
         embed = c.vocab_size * h
-        num_params = c.num_layers * layer + embed + (0 if c.tie_word_embeddings else embed) + h
+        num_params = c.num_layers * layer + mlps + embed + (0 if c.tie_word_embeddings else embed)
+        num_params += h
+        experts = {}
+        if c.moe:
+            experts = dict(num_experts=c.moe.num_experts, experts_per_token=c.moe.top_k,
+                           expert_intermediate_size=c.moe.intermediate_size,
+                           num_sparse_layers=sparse)  # fmt: skip
         return cls(
             name=name or config.get("_name_or_path") or c.architecture,
             num_params=num_params,
@@ -120,6 +138,7 @@ class ModelSpec:
             vocab_size=c.vocab_size,
             tie_word_embeddings=c.tie_word_embeddings,
             attention_bias=c.attention_bias,
+            **experts,
         )
 
     @classmethod
@@ -184,7 +203,14 @@ class ModelSpec:
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        return self.num_layers * (2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size)
+        dense = self.num_layers - self.num_sparse_layers
+        sparse = self.experts_per_token * 3 * h * self.expert_intermediate_size
+        sparse += h * self.num_experts  # the router
+        return (
+            self.num_layers * (2 * h * q + 2 * h * kv)
+            + dense * 3 * h * self.intermediate_size
+            + self.num_sparse_layers * sparse
+        )
 
     @property
     def params_read_per_pass(self) -> int:
@@ -198,6 +224,17 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         """Bytes of weights one pass reads, however many tokens share it."""
         return self.params_read_per_pass * self.bytes_per_param
+
+    def weight_bytes_for(self, num_tokens: int) -> float:
+        """Bytes of weights a pass of `num_tokens` tokens reads: all of them, but for a sparse
+        MLP only the experts its tokens chose: of E experts, k a token, chosen uniformly,
+        E * (1 - (1 - k/E)^n) are expected to be touched by n tokens."""
+        if not self.num_experts:
+            return self.weight_bytes
+        e, k = self.num_experts, self.experts_per_token
+        untouched = e * (1 - k / e) ** num_tokens
+        expert = 3 * self.hidden_size * self.expert_intermediate_size * self.bytes_per_param
+        return self.weight_bytes - self.num_sparse_layers * untouched * expert
 
     @property
     def stored_bytes(self) -> float:

@@ -97,7 +97,8 @@ class CostModel:
         self._kv_per_token = model.kv_bytes_per_token / kv_split
         self._act_per_token = act * per_token
         self._act_per_sampled = act * per_sampled
-        self.weight_bytes = model.weight_bytes / split
+        self._split = split
+        self.weight_bytes = model.weight_bytes / split  # all of them (a sparse MLP: its experts)
         self._comm_fixed_s = 0.0  # per pass, whatever its size
         if tp > 1:
             payload = 2 * model.num_layers * model.hidden_size * act  # per token, per pass
@@ -155,7 +156,10 @@ class CostModel:
         act = self._act_per_token * n + self._act_per_sampled * batch.num_sampled
         comm = self._comm_per_token * n
         arithmetic_s = (linear + attention) * self._inv_flops
-        movement_s = (self.weight_bytes + kv_read + kv_write + act) * self._inv_bandwidth
+        weights = self.weight_bytes
+        if self.model.num_experts:  # the experts its tokens chose
+            weights = self.model.weight_bytes_for(n) / self._split
+        movement_s = (weights + kv_read + kv_write + act) * self._inv_bandwidth
         communication_s = comm * self._inv_interconnect + self._comm_fixed_s
         if arithmetic_s > movement_s:
             roofline_s, bound = arithmetic_s + communication_s, "arithmetic"
@@ -168,7 +172,7 @@ class CostModel:
             predicted_s = (
                 c["overhead_s"]
                 + c["per_seq_s"] * batch.num_seqs
-                + c["s_per_weight_byte"] * self.weight_bytes
+                + c["s_per_weight_byte"] * weights
                 + c["s_per_linear_flop"] * linear_effective
                 + c["s_per_attention_flop"] * attention
                 + c["s_per_kv_byte"] * (kv_read + kv_write)
@@ -178,7 +182,7 @@ class CostModel:
         return StepCost(
             linear,
             attention,
-            self.weight_bytes,
+            weights,
             kv_read,
             kv_write,
             act,

@@ -51,6 +51,11 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Raise ModelLoadError, naming the numbers, unless `size` ranks can split this model."""
     if size < 1:
         raise ModelLoadError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size > 1 and config.moe is not None:
+        raise ModelLoadError(
+            "tensor parallelism over a sparse MLP's experts is not supported: serve "
+            f"{config.architecture} on one rank (tensor_parallel_size 1)"
+        )
     shape = (config.num_heads, config.num_kv_heads, config.intermediate_size)
     problems = tensor_parallel_problems(*shape, size)
     if problems:

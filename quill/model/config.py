@@ -8,12 +8,41 @@ from pathlib import Path
 
 from quill.contract.errors import ModelLoadError
 
-# Architectures that share the Llama block: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": False,  # value: QKV projections carry a bias
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": True,
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one Hugging Face architecture adds to the Llama block (RMSNorm, RoPE, GQA
+    attention, SwiGLU MLP); `family` names its model file (quill/model/registry.py)."""
+
+    family: str = "llama"
+    qkv_bias: bool = False  # the q, k and v projections carry a bias
+    qk_norm: bool = False  # q and k are RMS-normalised per head before RoPE
+    # Whether the config's sliding_window applies only when use_sliding_window says so.
+    window_opt_in: bool = False
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(),
+    "MistralForCausalLM": Architecture(),
+    "Qwen2ForCausalLM": Architecture(qkv_bias=True, window_opt_in=True),
+    "Qwen3ForCausalLM": Architecture(qk_norm=True, window_opt_in=True),
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qk_norm=True, window_opt_in=True),
+    "Phi3ForCausalLM": Architecture(),  # q/k/v and gate/up fused in the checkpoint
 }
+SUPPORTED_ARCHITECTURES = sorted(ARCHITECTURES)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP's shape (Qwen3-MoE): `num_experts` experts of width `intermediate_size`,
+    `top_k` of them per token, their router weights renormalised to sum to 1 when
+    `normalise`; the layers in `layers` are sparse, the others dense."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalise: bool
+    layers: tuple[int, ...]
 
 
 @dataclass
@@ -36,16 +65,21 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: list[int]
+    qk_norm: bool = False
+    moe: MoEConfig | None = None
+    family: str = "llama"
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
         archs = d.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or d.get('model_type')!r}; quill supports "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        traits = ARCHITECTURES[arch]
+        _refuse_what_is_not_modelled(arch, d)
         num_heads = d["num_attention_heads"]
         eos_ids = as_id_list(d.get("eos_token_id"))
         rope_scaling = d.get("rope_scaling") or None
@@ -66,17 +100,58 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=_context(d, traits),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=SUPPORTED_ARCHITECTURES[arch] or bool(d.get("attention_bias", False)),
+            attention_bias=traits.qkv_bias or bool(d.get("attention_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=traits.qk_norm,
+            moe=_moe(d) if traits.family == "qwen3_moe" else None,
+            family=traits.family,
         )
 
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token per element byte (multiply by the dtype's size)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _refuse_what_is_not_modelled(arch: str, d: dict) -> None:
+    """A config field that would change the model's outputs and that quill does not model is
+    refused by name, never ignored."""
+    if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError(
+            f"{arch}: partial_rotary_factor {d['partial_rotary_factor']} (rotary embeddings "
+            "on part of each head) is not supported"
+        )
+    scaling = d.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in (None, "default", "linear", "llama3", "freq_factors"):
+        raise ModelLoadError(f"{arch}: rope_scaling of type {kind!r} is not supported")
+
+
+def _context(d: dict, traits: Architecture) -> int:
+    """The longest context served: the model's, or its sliding window where one applies
+    (attention over a window is not modelled; within it, it is full attention)."""
+    length = d.get("max_position_embeddings", 2048)
+    window = d.get("sliding_window")
+    if traits.window_opt_in and not d.get("use_sliding_window", False):
+        window = None
+    return min(length, window) if window else length
+
+
+def _moe(d: dict) -> MoEConfig:
+    num_layers = d["num_hidden_layers"]
+    step = d.get("decoder_sparse_step", 1) or 1
+    dense = set(d.get("mlp_only_layers") or [])
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoEConfig(
+        num_experts=d.get("num_experts") or d["num_local_experts"],  # transformers 5's name
+        top_k=d["num_experts_per_tok"],
+        intermediate_size=d["moe_intermediate_size"],
+        normalise=bool(d.get("norm_topk_prob", False)),  # transformers' default
+        layers=layers,
+    )
 
 
 def tensor_parallel_problems(

@@ -12,7 +12,12 @@ import numpy as np
 
 from quill.contract.errors import ModelLoadError
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
 
 
 def open_gguf(path: str | Path):
@@ -58,7 +63,9 @@ def gguf_hf_config(reader) -> dict:
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": int(num_heads),
         "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
-        "head_dim": int(get("rope.dimension_count", hidden // num_heads)),
+        "head_dim": int(
+            get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads
+        ),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
@@ -68,6 +75,8 @@ def gguf_hf_config(reader) -> dict:
         "eos_token_id": _end_ids(reader),
         "torch_dtype": "bfloat16",
     }
+    if arch == "qwen3moe":
+        config |= _moe_config(get, tensor_names, config["num_hidden_layers"])
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1 style: per-frequency divisors
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         config["rope_scaling"] = {
@@ -75,6 +84,20 @@ def gguf_hf_config(reader) -> dict:
             "factors": [float(x) for x in _dequantize(t)],
         }
     return config
+
+
+def _moe_config(get, tensor_names: set[str], num_layers: int) -> dict:
+    """A Qwen3-MoE file's experts; a layer with a dense MLP (ffn_gate) is one of
+    mlp_only_layers. llama.cpp renormalises the chosen experts' weights unless told not to."""
+    return {
+        "num_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "mlp_only_layers": [
+            i for i in range(num_layers) if f"blk.{i}.ffn_gate.weight" in tensor_names
+        ],
+    }
 
 
 def _end_ids(reader) -> list[int]:

@@ -39,6 +39,15 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE's router
+}
+# Qwen3-MoE's experts, stacked in one tensor each ([experts, rows, columns]).
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -62,8 +71,13 @@ def gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         name = _GLOBAL_TENSORS.get(t.name)
         w = _dequantize(t)
+        parts = t.name.split(".")  # blk.N.kind.weight|bias
+        if name is None and len(parts) == 4 and parts[2] in _EXPERT_TENSORS:
+            for expert, rows in enumerate(w):  # one Hugging Face tensor per expert
+                hf = f"model.layers.{parts[1]}.mlp.experts.{expert}.{_EXPERT_TENSORS[parts[2]]}"
+                yield f"{hf}.{parts[3]}", torch.from_numpy(np.array(rows, dtype=np.float32))
+            continue
         if name is None:
-            parts = t.name.split(".")  # blk.N.kind.weight|bias
             if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
             name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
@@ -106,6 +120,8 @@ def gguf_quantized_blocks(reader, config: dict) -> Iterator[tuple[str, str, tupl
             continue
         name = _GLOBAL_TENSORS.get(t.name)
         parts = t.name.split(".")
+        if name is None and len(parts) == 4 and parts[2] in _EXPERT_TENSORS:
+            continue  # experts stay float (quill/model/qwen3_moe.py)
         if name is None:
             if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")

@@ -1,4 +1,5 @@
-"""The Llama-family forward pass in plain PyTorch over a flat batch of tokens.
+"""The Llama family's forward pass in plain PyTorch over a flat batch of tokens: Llama,
+Mistral, Qwen2 / Qwen2.5 (QKV biases), Qwen3 (q/k norms), Phi-3 (fused in the checkpoint).
 
 RMSNorm, rotary embeddings (with Llama-3 / linear scaling), grouped-query attention through the
 paged cache, SwiGLU MLP. Q, K and V share one merged projection, as do the MLP's gate and up.
@@ -8,8 +9,8 @@ The paged cache and the step's attention layout come in as arguments.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -17,49 +18,67 @@ from torch import nn
 from quill.contract.errors import ModelLoadError
 from quill.model.attention import AttentionMetadata, paged_attention
 from quill.model.config import ModelConfig
+from quill.model.layers import RMSNorm, rope_inv_freq
 from quill.model.linear import Linear, MergedLinear, dense, native_possible
 from quill.ops import fused
 
 
-class RMSNorm(nn.Module):
-    """`norm(x)`, or `norm(x, residual)`: residual += x in place, and the norm of the sum (one
-    native op where the library runs: quill/ops/fused.py)."""
+class Target(NamedTuple):
+    """Where a checkpoint tensor goes: our parameter, and the rows it fills there (of expert
+    `expert` when the parameter stacks experts)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if residual is None:
-            return fused.rms_norm(x, self.weight, self.eps)
-        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+    param: str
+    offset: int
+    rows: int
+    expert: int | None = None
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "freq_factors":  # GGUF's rope_freqs tensor: one divisor per frequency
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float)
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r}")
+def weight_target(name: str, config: ModelConfig) -> Target | None:
+    """Our parameter for a Hugging Face tensor name (None: a tensor to skip). The merged
+    projections take Llama's separate q/k/v and gate/up tensors, or Phi-3's fused ones."""
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    inter, hidden = config.intermediate_size, config.hidden_size
+    if name == "model.embed_tokens.weight":
+        return Target("embed_tokens.weight", 0, config.vocab_size)
+    if name == "model.norm.weight":
+        return Target("norm.weight", 0, hidden)
+    if name == "lm_head.weight":
+        tied = config.tie_word_embeddings
+        return None if tied else Target("lm_head.weight", 0, config.vocab_size)
+    if "rotary_emb" in name:
+        return None
+    idx, kind, suffix = split_layer_name(name, config)
+    table = {
+        "self_attn.q_proj": ("qkv_proj", 0, q),
+        "self_attn.k_proj": ("qkv_proj", q, kv),
+        "self_attn.v_proj": ("qkv_proj", q + kv, kv),
+        "self_attn.qkv_proj": ("qkv_proj", 0, q + 2 * kv),  # Phi-3
+        "self_attn.q_norm": ("q_norm", 0, config.head_dim),  # Qwen3
+        "self_attn.k_norm": ("k_norm", 0, config.head_dim),
+        "self_attn.o_proj": ("o_proj", 0, hidden),
+        "mlp.gate_proj": ("gate_up_proj", 0, inter),
+        "mlp.up_proj": ("gate_up_proj", inter, inter),
+        "mlp.gate_up_proj": ("gate_up_proj", 0, 2 * inter),  # Phi-3
+        "mlp.down_proj": ("down_proj", 0, hidden),
+        "input_layernorm": ("input_layernorm", 0, hidden),
+        "post_attention_layernorm": ("post_attention_layernorm", 0, hidden),
+    }
+    if kind not in table:
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+    param, offset, rows = table[kind]
+    return Target(f"layers.{idx}.{param}.{suffix}", offset, rows)
+
+
+def split_layer_name(name: str, config: ModelConfig) -> tuple[int, str, str]:
+    """ "model.layers.3.self_attn.q_proj.weight" -> (3, "self_attn.q_proj", "weight")."""
+    if not name.startswith("model.layers."):
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+    _, _, idx, rest = name.split(".", 3)
+    if int(idx) >= config.num_layers:
+        raise ModelLoadError(f"tensor {name!r} is beyond the model's {config.num_layers} layers")
+    kind, _, suffix = rest.rpartition(".")
+    return int(idx), kind, suffix
 
 
 class DecoderLayer(nn.Module):
@@ -75,14 +94,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         parts = [self.q_size, self.kv_size, self.kv_size]
         self.qkv_proj = MergedLinear(hidden, parts, config.attention_bias)
+        # Qwen3's: q and k normalised per head, before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias=False)
-        self.down_proj = Linear(config.intermediate_size, hidden, bias=False)
+        self.init_mlp(config)
         # The rank group when the layer holds one rank's slices (quill/distributed/shard.py):
         # o and down then give partial sums, added up over the ranks.
         self.tp = None
+
+    def init_mlp(self, config: ModelConfig) -> None:
+        """The dense SwiGLU MLP (a family with another MLP overrides this and `mlp`)."""
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h)
+        return self.down_proj(fused.silu_mul(gate, up))
 
     def forward(
         self,
@@ -100,6 +130,9 @@ class DecoderLayer(nn.Module):
         if weights is not None and n <= weights[-1] and meta.reference is None:
             return self._native_layer(x, residual, cos, sin, kv_cache, meta, weights[:-1]), residual
         q, k, v = self.qkv_proj(self.input_layernorm(x, residual))
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         q, k = fused.rope(q, k, cos, sin)
@@ -108,8 +141,7 @@ class DecoderLayer(nn.Module):
         o = self.o_proj(attn.view(n, self.q_size))
         if self.tp is not None:
             self.tp.all_reduce(o)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(o, residual))
-        out = self.down_proj(fused.silu_mul(gate, up))
+        out = self.mlp(self.post_attention_layernorm(o, residual))
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out, residual
@@ -156,6 +188,8 @@ def _native_layer_weights(layer: DecoderLayer) -> tuple | None:
 
     if layer.tp is not None:  # the fused layer has no place for the all-reduces
         return None
+    if layer.q_norm is not None or not hasattr(layer, "gate_up_proj"):
+        return None  # q/k norms, a sparse MLP: the fused layer has neither
     if (layer.head_dim // 2) % 16:  # its rotary embedding takes half-rows of 16 lanes
         return None
     linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
@@ -220,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -229,6 +263,9 @@ class LlamaForCausalLM(nn.Module):
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
         self.init_rope(max_positions)
+
+    def make_layer(self, config: ModelConfig, index: int) -> nn.Module:
+        return DecoderLayer(config)
 
     def init_rope(self, max_positions: int) -> None:
         """(Re)compute the rotary tables in fp32 on the model's device."""

@@ -18,6 +18,7 @@ import torch
 from quill.contract.errors import ModelLoadError
 from quill.model.config import ModelConfig
 from quill.model.llama import LlamaForCausalLM
+from quill.model.registry import family
 from quill.ops.library import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -75,70 +76,31 @@ class LoadedModel:
     blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
 
 
-def _target(name: str, config: ModelConfig) -> tuple[str, int, int] | None:
-    """Our parameter, row offset and row count for a Hugging Face tensor name (None: skip)."""
-    q = config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    inter = config.intermediate_size
-    if name == "model.embed_tokens.weight":
-        return "embed_tokens.weight", 0, config.vocab_size
-    if name == "model.norm.weight":
-        return "norm.weight", 0, config.hidden_size
-    if name == "lm_head.weight":
-        if config.tie_word_embeddings:
-            return None
-        return "lm_head.weight", 0, config.vocab_size
-    if not name.startswith("model.layers."):
-        if "rotary_emb" in name:
-            return None
-        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
-    _, _, idx, rest = name.split(".", 3)
-    prefix = f"layers.{idx}."
-    if int(idx) >= config.num_layers:
-        raise ModelLoadError(f"tensor {name!r} is beyond the model's {config.num_layers} layers")
-    kind, _, suffix = rest.rpartition(".")  # e.g. self_attn.q_proj, weight
-    table = {
-        "self_attn.q_proj": ("qkv_proj", 0, q),
-        "self_attn.k_proj": ("qkv_proj", q, kv),
-        "self_attn.v_proj": ("qkv_proj", q + kv, kv),
-        "self_attn.o_proj": ("o_proj", 0, config.hidden_size),
-        "mlp.gate_proj": ("gate_up_proj", 0, inter),
-        "mlp.up_proj": ("gate_up_proj", inter, inter),
-        "mlp.down_proj": ("down_proj", 0, config.hidden_size),
-        "input_layernorm": ("input_layernorm", 0, config.hidden_size),
-        "post_attention_layernorm": ("post_attention_layernorm", 0, config.hidden_size),
-    }
-    if kind not in table or "rotary_emb" in kind:
-        if "rotary_emb" in name:
-            return None
-        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
-    param, offset, rows = table[kind]
-    return f"{prefix}{param}.{suffix}", offset, rows
-
-
 def load_weights(
     model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
 ) -> None:
     params = dict(model.named_parameters())
-    filled: dict[str, int] = {}
+    target_of = family(config).weight_target
+    filled: dict[str, int] = {}  # elements filled, per parameter
     for name, tensor in weights:
-        target = _target(name, config)
+        target = target_of(name, config)
         if target is None:
             continue
-        param_name, offset, rows = target
-        if param_name not in params:
+        if target.param not in params:
             raise ModelLoadError(f"tensor {name!r} has no place in the model")
-        param = params[param_name]
-        expected = (rows, *param.shape[1:])
+        param = params[target.param]
+        if target.expert is not None:  # one expert's slice of a stacked parameter
+            param = param[target.expert]
+        expected = (target.rows, *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ModelLoadError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
             )
         with torch.no_grad():
-            param[offset : offset + rows].copy_(tensor)
-        filled[param_name] = filled.get(param_name, 0) + rows
+            param[target.offset : target.offset + target.rows].copy_(tensor)
+        filled[target.param] = filled.get(target.param, 0) + tensor.numel()
     for name, param in params.items():
-        if filled.get(name, 0) != param.shape[0]:
+        if filled.get(name, 0) != param.numel():
             raise ModelLoadError(f"checkpoint is missing weights for {name!r}")
 
 
@@ -166,7 +128,7 @@ def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
 
 def _build(config: ModelConfig, max_positions: int, dtype, device) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = family(config).model(config, max_positions)
     model = model.to_empty(device=device).to(dtype)
     model.init_rope(max_positions)
     return model
@@ -238,11 +200,12 @@ def _block_params(blocks, model: LlamaForCausalLM, config: ModelConfig) -> dict:
     """Quantized tensors assembled into our (merged) parameters; a parameter only partly in one
     type (a file mixing types inside q/k/v) is left out, and gets quantized from its floats."""
     params = dict(model.named_parameters())
+    target_of = family(config).weight_target
     parts: dict[str, list] = {}
     for name, kind, tensors in blocks:
-        target = _target(name, config)
-        if target is not None:
-            parts.setdefault(target[0], []).append((target[1], kind, tensors))
+        target = target_of(name, config)
+        if target is not None and target.expert is None:  # experts stay float
+            parts.setdefault(target.param, []).append((target.offset, kind, tensors))
     out = {}
     for param_name, pieces in parts.items():
         kinds = {kind for _, kind, _ in pieces}
