@@ -100,37 +100,62 @@ def write_tiny_config(directory, model_dir, hidden_size: int = 64) -> None:
 
 
 def write_random_checkpoint(directory, model_dir, kind: str, heads: int, kv_heads: int) -> str:
-    """A random checkpoint of this shape, with the default model's tokenizer beside it."""
-    import shutil
+    """A random checkpoint of this shape (head dim 16), with the default model's tokenizer."""
+    random_checkpoint(directory, kind, hidden_size=heads * 16, intermediate_size=384,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                      sharded=False)  # fmt: skip
+    return str(directory)
 
+
+def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
+    """A tiny randomly initialised transformers model of `kind` (llama, llama3, mistral,
+    qwen2, qwen2.5, qwen3, qwen3_moe, phi3), saved to `directory` with the default model's
+    tokenizer; returns the reference model. `shape` overrides the config's fields."""
     import transformers
 
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, directory / name)
+    from quill.model.default_model import default_model_dir
 
     common = dict(
-        vocab_size=49152,  # the default model's tokenizer
-        hidden_size=heads * 16,
-        intermediate_size=384,
+        vocab_size=49152,  # reuse the default tokenizer
+        hidden_size=64,
+        intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    if kind == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    elif kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    kinds = {  # kind: (config class, model class, what the kind adds)
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "llama3": ("LlamaConfig", "LlamaForCausalLM",
+                   {"rope_theta": 500000.0, "rope_scaling": llama3_rope}),
+        "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+        # Qwen2.5's small models: Qwen2's layers, tied embeddings
+        "qwen2.5": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+        # q/k norms, an explicit head dim wider than hidden / heads
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+        # 8 experts, 2 a token; layer 0 dense, layer 1 sparse
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                      {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 32, "norm_topk_prob": True,
+                       "mlp_only_layers": [0]}),
+        # q/k/v and gate/up fused in the checkpoint
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    }  # fmt: skip
+    config_class, model_class, extra = kinds[kind]
+    config = getattr(transformers, config_class)(**{**common, **extra, **shape})
     torch.manual_seed(0)
+    ref = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # large random weights, so greedy paths are not all one token
-        for p in model.parameters():
+        for p in ref.parameters():
             p.normal_(0, 0.2)
-    model.eval().save_pretrained(str(directory))
-    return str(directory)
+    ref.save_pretrained(str(directory), **({"max_shard_size": "2MB"} if sharded else {}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_text((default_model_dir() / name).read_text())
+    return ref
 
 
 def run_native_tests_with_avx2(test_file: str) -> None:

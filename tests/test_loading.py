@@ -8,7 +8,7 @@ import torch
 from quill import LLM, SamplingParams
 from quill.model.config import ModelConfig
 from quill.model.layers import rope_inv_freq
-from tests.conftest import write_tiny_config
+from tests.conftest import random_checkpoint, write_tiny_config
 
 
 def test_gguf_weights_match_transformers_gguf_loader():
@@ -75,67 +75,13 @@ def test_every_family_runs_quantized(tmp_path, kind, quantization):
 
 
 def _tiny_checkpoint(tmp_path, kind: str):
-    """A tiny randomly initialised transformers model of `kind`, saved (sharded) to
-    `tmp_path` with the default model's tokenizer; returns the reference model."""
-    import transformers
-
-    common = dict(
-        vocab_size=49152,  # reuse the default tokenizer
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    if kind == "llama3":
-        config = transformers.LlamaConfig(
-            **common,
-            rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
-        cls = transformers.LlamaForCausalLM
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
-    elif kind == "qwen2.5":  # Qwen2.5's small models: Qwen2's layers, tied embeddings
-        config = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True})
-        cls = transformers.Qwen2ForCausalLM
-    elif kind == "qwen3":  # q/k norms, an explicit head dim wider than hidden / heads
-        config = transformers.Qwen3Config(**common, head_dim=32)
-        cls = transformers.Qwen3ForCausalLM
-    elif kind == "qwen3_moe":  # 8 experts, 2 a token; layer 0 dense, layer 1 sparse
-        config = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=8,
-                                             num_experts_per_tok=2, moe_intermediate_size=32,
-                                             norm_topk_prob=True, mlp_only_layers=[0])  # fmt: skip
-        cls = transformers.Qwen3MoeForCausalLM
-    elif kind == "phi3":  # q/k/v and gate/up fused in the checkpoint
-        config = transformers.Phi3Config(**common, pad_token_id=0)
-        cls = transformers.Phi3ForCausalLM
-    elif kind == "mistral":
-        config = transformers.MistralConfig(**common, sliding_window=None)
-        cls = transformers.MistralForCausalLM
-    else:  # rotary half-rows of 24: not the native layer's 16-lane multiple, so the op path
-        config = transformers.LlamaConfig(**common, head_dim=48)
-        cls = transformers.LlamaForCausalLM
-    torch.manual_seed(0)
-    ref = cls(config).eval()
-    with torch.no_grad():  # larger random weights so greedy paths are not all the same token
-        for p in ref.parameters():
-            p.normal_(0, 0.2)
-    ref.save_pretrained(str(tmp_path), max_shard_size="2MB")  # sharded safetensors
+    """`kind`'s tiny random checkpoint, sharded; head_dim_48: rotary half-rows of 24, not the
+    native layer's 16-lane multiple, so the op path."""
+    if kind == "head_dim_48":
+        ref = random_checkpoint(tmp_path, "llama", head_dim=48)
+    else:
+        ref = random_checkpoint(tmp_path, kind)
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    from quill.model.default_model import default_model_dir
-
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_text((default_model_dir() / name).read_text())
     return ref
 
 
@@ -269,22 +215,7 @@ def _write_gguf(path, arch: str, ref, config: dict) -> None:
 def test_gguf_of_qwen3_and_qwen3_moe_matches_transformers(tmp_path, model_dir, arch):
     import json
 
-    import transformers
-
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, head_dim=32)  # fmt: skip
-    if arch == "qwen3":
-        ref = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    else:
-        ref = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-            norm_topk_prob=True, mlp_only_layers=[0]))  # fmt: skip
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.2)
-    ref.eval()
+    ref = random_checkpoint(tmp_path, "qwen3" if arch == "qwen3" else "qwen3_moe", head_dim=32)
     config = json.loads(ref.config.to_json_string())
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_gguf(path, arch, ref, config)
