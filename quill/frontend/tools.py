@@ -168,14 +168,16 @@ def _rebased(schema, ref: str):
 def instructions(functions: list[Function], choice: ToolChoice) -> str:
     """The system-message text that offers the functions and asks for the reply's shape."""
     offered = _dump([f.offered() for f in functions])
-    call = '{"tool_calls":[{"name":<function name>,"arguments":<its arguments>}]}'
+    name = _dump(choice.name) if choice.mode == "named" else "<function name>"
+    call = '{"tool_calls":[{"name":' + name + ',"arguments":<its arguments>}]}'
+    which = "one or more of them" if choice.parallel else "one of them"
     if choice.mode == "named":
         ask = f"Call the function {choice.name}: reply with {call}."
     elif choice.mode == "required":
-        ask = f"Call one or more of these functions: reply with {call}."
+        ask = f"Call {which}: reply with {call}."
     else:
         ask = (
-            f"To call one or more of them, reply with {call}; "
+            f"To call {which}, reply with {call}; "
             'to answer without calling any, reply with {"response":<your answer>}.'
         )
     return (
