@@ -46,6 +46,7 @@ struct Layout {
   const int32_t* seq_lens;
   const int32_t* query_start;
   float scale;  // softmax scale times log2(e): the weights are 2^(score * scale - max)
+  int window;   // > 0: a query at position p sees keys p - window + 1 .. p only
 };
 
 struct Item {
@@ -216,7 +217,11 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
   const vfloat scale = vset(L.scale);
   const int limit = std::min(it.kv_end, first_pos + it.q_end);
   const int tile = kTileTokens / BS * BS;  // whole blocks
-  for (int t0 = it.kv_begin; t0 < limit; t0 += tile) {
+  // With a sliding window no row sees a key before its first row's window: start at that
+  // key's block (the rows' own masks take care of the rest).
+  int begin = it.kv_begin;
+  if (L.window > 0) begin = std::max(begin, (first_pos + it.q_begin - L.window + 1) / BS * BS);
+  for (int t0 = begin; t0 < limit; t0 += tile) {
     const int t1 = std::min(limit, t0 + tile);
     const int ntok = t1 - t0;
     const int nblk = (ntok + BS - 1) / BS;
@@ -255,10 +260,13 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
       A* prow = P + r * kTileTokens;
       const int pos = first_pos + it.q_begin + (r % MH) / G;
       const int visible = std::min(pos + 1, t1) - t0;
-      if (visible <= 0) {
+      // Keys before the row's window (sliding window attention) are masked like future ones.
+      const int hidden = L.window > 0 ? std::max(0, pos - L.window + 1 - t0) : 0;
+      if (visible <= hidden) {
         std::fill(prow, prow + ncols * kWidth, A(0.0f));
         continue;
       }
+      std::fill(srow, srow + hidden, kNegInf);
       std::fill(srow + visible, srow + ncols * kWidth, kNegInf);
       vfloat vm = vset(kNegInf);
       for (int c = 0; c < ncols; ++c) vm = vmax(vm, vload(srow + c * kWidth));
@@ -412,8 +420,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at
                            at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                           double scale) {
+                           double scale, int64_t window) {
   const char* op = "quill::paged_attention";
+  TORCH_CHECK(window >= 0 && window <= (int64_t(1) << 30), op, ": window ", window, " out of range");
   const CacheGeometry g = cache_geometry(k_cache, v_cache, op);
   TORCH_CHECK(q_in.dim() == 3, op, ": q must be [tokens, heads, head_dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -470,7 +479,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k, const at
            tables,
            lens,
            qsl,
-           float(scale) * kLog2e};
+           float(scale) * kLog2e,
+           int(window)};
   switch (q.scalar_type()) {
     case at::kFloat: run_q<float>(L, num_seqs, q, k_cache, v_cache, out); break;
     case at::kBFloat16: run_q<bf16>(L, num_seqs, q, k_cache, v_cache, out); break;

@@ -23,7 +23,7 @@ TORCH_LIBRARY(quill, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "float scale) -> Tensor");
+      "float scale, int window=0) -> Tensor");
   m.def("read_probe(Tensor buffer, int num_threads, int repeats, int chunk_bytes=0) -> Tensor");
   m.def(
       "q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor sums, Tensor? bias=None, "

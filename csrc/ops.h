@@ -21,11 +21,13 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 // query_start_loc[b] .. query_start_loc[b + 1] - 1, which sit at the last positions of its
 // seq_lens[b] keys (causal: query i of n sees keys 0 .. seq_lens[b] - n + i); its keys are in
 // the blocks block_tables[b][0 ..]. Rows past query_start_loc[-1] (padding) come back zero.
+// window > 0: a query at position p sees only the `window` keys p - window + 1 .. p (sliding
+// window attention, as Mistral's and Gemma's local layers).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                           double scale);
+                           double scale, int64_t window = 0);
 
 // How paged_attention multiplies for these dtypes in this library, for the start-up log.
 std::string attention_kernel(at::ScalarType q_dtype, at::ScalarType kv_dtype);

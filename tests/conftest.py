@@ -109,8 +109,8 @@ def write_random_checkpoint(directory, model_dir, kind: str, heads: int, kv_head
 
 def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
     """A tiny randomly initialised transformers model of `kind` (llama, llama3, mistral,
-    qwen2, qwen2.5, qwen3, qwen3_moe, phi3), saved to `directory` with the default model's
-    tokenizer; returns the reference model. `shape` overrides the config's fields."""
+    mistral_window, qwen2, qwen2.5, qwen3, qwen3_moe, phi3), saved to `directory` with the
+    default model's tokenizer; returns the reference model. `shape` overrides its config."""
     import transformers
 
     from quill.model.default_model import default_model_dir
@@ -132,6 +132,8 @@ def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
         "llama3": ("LlamaConfig", "LlamaForCausalLM",
                    {"rope_theta": 500000.0, "rope_scaling": llama3_rope}),
         "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+        # a sliding window shorter than the prompts and the reply
+        "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
         # Qwen2.5's small models: Qwen2's layers, tied embeddings
         "qwen2.5": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),

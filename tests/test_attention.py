@@ -63,6 +63,7 @@ class Step:
     expected_keys: torch.Tensor  # logical cache after the step's writes
     expected_values: torch.Tensor
     scale: float
+    window: int = 0
 
 
 def random_step(
@@ -76,6 +77,7 @@ def random_step(
     q_dtype: torch.dtype = torch.float32,
     kv_dtype: torch.dtype = torch.float32,
     padding: int = 0,
+    window: int = 0,
 ) -> Step:
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     needed = sum(-(-(s + q) // block_size) + 1 for s, q in zip(starts, q_lens))
@@ -119,20 +121,36 @@ def random_step(
         ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # [ctx, H, D]
         scores = torch.einsum("qhd,khd->hqk", q[row : row + n].double(), ks) * scale
         visible = torch.arange(ctx)[None, :] <= torch.arange(s.start, ctx)[:, None]
+        if window:  # sliding window: the query at p sees keys p - window + 1 .. p
+            visible &= torch.arange(ctx)[None, :] > torch.arange(s.start, ctx)[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         expected[row : row + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
         row += n
     return Step(
-        q, k, v, k_cache, v_cache, seqs, torch.tensor(slots), expected, new_keys, new_values, scale
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        seqs,
+        torch.tensor(slots),
+        expected,
+        new_keys,
+        new_values,
+        scale,
+        window,
     )
 
 
 def run(step: Step, path: str) -> torch.Tensor:
     block_size = step.expected_keys.shape[2]
     scratch = step.expected_keys.shape[0] - 1
-    layout = AttentionLayout(block_size, scratch, step.q.dtype, step.q.device, path == "native")
+    layout = AttentionLayout(
+        block_size, scratch, step.q.dtype, step.q.device, path == "native", step.window
+    )
     meta = layout.build(step.seqs, step.slots)
-    return paged_attention(step.q, step.k, step.v, (step.k_cache, step.v_cache), meta, step.scale)
+    kv = (step.k_cache, step.v_cache)
+    return paged_attention(step.q, step.k, step.v, kv, meta, step.scale, step.window)
 
 
 def check(step: Step, out: torch.Tensor, atol: float, rtol: float) -> None:
@@ -159,6 +177,15 @@ CASES = {
     "chunks of different lengths": ([2, 9, 4], [0, 7, 16]),
     "one long decode": ([1], [2000]),
     "a chunk past many tiles": ([200], [300]),
+}
+# Sliding windows (Mistral's): shorter than a chunk, than a tile, than the context; a window
+# that starts mid-block, and a decode whose split key range begins before its window.
+WINDOW_CASES = {
+    "a first chunk longer than its window": ([40], [0], 7),
+    "decodes and chunks over a window of a few blocks": ([1, 5, 1, 30], [21, 0, 300, 70], 50),
+    "one long decode, its window far from the start": ([1], [2000], 300),
+    "a chunk past many tiles, window of one tile": ([200], [300], 128),
+    "a window wider than the context": ([3, 1], [10, 4], 1000),
 }
 
 
@@ -210,6 +237,7 @@ def layouts(draw):
         q_dtype=q_dtype,
         kv_dtype=kv_dtype,
         padding=draw(st.sampled_from([0, 2])),
+        window=draw(st.sampled_from([0, 0, draw(st.integers(1, 400))])),
         seed=draw(st.integers(0, 1 << 20)),
     )
 
@@ -221,6 +249,14 @@ def test_native_random_layouts(case):
     seed = case.pop("seed")
     step = random_step(random.Random(seed), **case)
     check(step, run(step, "native"), *TOLERANCE[case["q_dtype"]])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", sorted(WINDOW_CASES))
+def test_a_sliding_window_matches_the_reference(path, case):
+    q_lens, starts, window = WINDOW_CASES[case]
+    step = random_step(random.Random(case), q_lens, starts, padding=2, window=window)
+    check(step, run(step, path), *TOLERANCE[torch.float32])
 
 
 def test_reference_random_layouts():

@@ -133,10 +133,13 @@ def test_hf_directory_of_unsupported_architecture(tmp_path):
     [
         ("partial_rotary_factor", 0.75, "partial_rotary_factor"),
         ("rope_scaling", {"rope_type": "longrope", "short_factor": [1.0]}, "longrope"),
+        ("use_sliding_window", True, "use_sliding_window"),
     ],
 )
 def test_a_config_field_quill_does_not_model_is_refused(tmp_path, model_dir, field, value, why):
     config = json.loads((model_dir / "config.json").read_text())
+    if field == "use_sliding_window":  # Qwen's opt-in window
+        config |= {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64}
     (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(ModelLoadError, match=why):
         LLM(str(tmp_path), load_format="dummy", tokenizer=str(model_dir), dtype="float32")

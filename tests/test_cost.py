@@ -486,3 +486,20 @@ def test_a_sparse_mlp_by_hand():
     cost = CostModel(spec, SLOW).price(BatchShape.decodes(1, 10))
     assert cost.weight_bytes == pytest.approx(spec.weight_bytes - 6 * expert)
     assert cost.linear_flops == 2 * 61_952 + 2 * 64 * 1000
+
+
+def test_a_sliding_window_by_hand():
+    """Mistral-style window of 4 keys: a chunk of 6 tokens after 2 cached sees
+    min(p + 1, 4) keys at p = 2..7: 3 + 4 * 5 = 23 pairs (3 + ... + 8 = 33 without), and reads
+    the last 6 - 1 + 4 = 9 of its 8 tokens of context at most: all 8."""
+    assert BatchShape.from_seqs([(2, 6, True, False)], window=4).attention_pairs == 23
+    assert BatchShape.from_seqs([(2, 6, True, False)]).attention_pairs == 33
+    # A decode at position 100 under the window: 4 pairs, 4 keys read (not 101).
+    decode = BatchShape.from_seqs([(100, 1, True, True)], window=4)
+    assert (decode.attention_pairs, decode.kv_tokens_read) == (4, 4)
+    spec = ModelSpec.from_hf_config({**PRESETS["Mistral-7B"], "sliding_window": 4096})
+    assert spec.sliding_window == 4096
+    decoding = types.SimpleNamespace(start=10_000, num_tokens=1, samples=True, is_decode=True)
+    plan = types.SimpleNamespace(seqs=[decoding])
+    cost = CostModel(spec, SLOW).price(plan)  # a plan is priced under the model's window
+    assert cost.kv_read_bytes == 4096 * spec.kv_bytes_per_token

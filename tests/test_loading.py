@@ -30,7 +30,18 @@ def test_gguf_weights_match_transformers_gguf_loader():
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama3", "qwen2", "qwen2.5", "qwen3", "qwen3_moe", "phi3", "mistral", "head_dim_48"]
+    "kind",
+    [
+        "llama3",
+        "qwen2",
+        "qwen2.5",
+        "qwen3",
+        "qwen3_moe",
+        "phi3",
+        "mistral",
+        "mistral_window",
+        "head_dim_48",
+    ],  # fmt: skip
 )
 def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
     ref = _tiny_checkpoint(tmp_path, kind)

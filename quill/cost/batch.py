@@ -14,7 +14,9 @@ from dataclasses import dataclass
 class BatchShape:
     """Counts for one pass. Attention is causal: a chunk of n tokens starting at position
     `start` attends to n*start + n*(n+1)//2 (query, key) pairs, and its sequence reads its
-    whole context (start + n tokens) of KV cache once per layer."""
+    whole context (start + n tokens) of KV cache once per layer. Under a sliding window of W
+    keys, the query at position p sees min(p + 1, W) keys, and the chunk reads the last
+    n - 1 + W of its context at most."""
 
     num_tokens: int
     num_seqs: int
@@ -26,7 +28,9 @@ class BatchShape:
     kv_tokens_written: int
 
     @classmethod
-    def from_seqs(cls, seqs: Iterable[tuple[int, int, bool, bool]]) -> BatchShape:
+    def from_seqs(
+        cls, seqs: Iterable[tuple[int, int, bool, bool]], window: int | None = None
+    ) -> BatchShape:
         """From (start, num_tokens, samples, is_decode) per scheduled sequence."""
         tokens = seqs_n = sampled = prefill = decode = pairs = read = 0
         for start, n, samples, is_decode in seqs:
@@ -41,8 +45,8 @@ class BatchShape:
                 decode += n
             else:
                 prefill += n
-            pairs += n * start + n * (n + 1) // 2
-            read += start + n
+            pairs += _pairs(start, n, window)
+            read += start + n if not window else min(start + n, n - 1 + window)
         return cls(tokens, seqs_n, sampled, prefill, decode, pairs, read, tokens)
 
     @classmethod
@@ -77,9 +81,13 @@ class BatchShape:
         return cls(batch, batch, batch, 0, batch, batch * per_seq, batch * per_seq, batch)
 
     @classmethod
-    def from_plan(cls, plan) -> BatchShape:
+    def from_plan(cls, plan, window: int | None = None) -> BatchShape:
         """From the engine's StepPlan (duck-typed: `plan.seqs` items have start, num_tokens,
         samples, is_decode). Runs once per simulated step, so it is one plain loop."""
+        if window:
+            return cls.from_seqs(
+                ((s.start, s.num_tokens, s.samples, s.is_decode) for s in plan.seqs), window
+            )
         tokens = seqs_n = sampled = decode = pairs = read = 0
         for s in plan.seqs:
             start = s.start
@@ -93,3 +101,17 @@ class BatchShape:
             pairs += n * start + (n * (n + 1) >> 1)
             read += start + n
         return cls(tokens, seqs_n, sampled, tokens - decode, decode, pairs, read, tokens)
+
+
+def _pairs(start: int, n: int, window: int | None) -> int:
+    """(query, key) pairs of n queries at positions start .. start + n - 1, each seeing the
+    keys up to itself, at most `window` of them: the sum of min(p + 1, window)."""
+    if not window or start + n <= window:
+        return n * start + n * (n + 1) // 2
+    # m = p + 1 runs start + 1 .. start + n: those up to the window count m, the rest window.
+    below = _sum_to(window) - _sum_to(start) if start < window else 0
+    return below + (start + n - max(start, window)) * window
+
+
+def _sum_to(m: int) -> int:
+    return m * (m + 1) // 2

@@ -73,7 +73,7 @@ class CostAccountant:
         model = self.model
         cost = None
         if self.cost_model is not None:
-            cost = self.cost_model.price(BatchShape.from_plan(plan))
+            cost = self.cost_model.price(BatchShape.from_plan(plan, model.sliding_window))
             self.last = PricedStep(cost, measured)
         num_tokens = sum(len(s.token_ids) for s in plan.seqs)
         weight_share = model.weight_bytes_for(num_tokens) / max(len(plan.seqs), 1)
@@ -81,11 +81,11 @@ class CostAccountant:
         for s in plan.seqs:
             n = len(s.token_ids)
             sampled = 1 if s.samples else 0
-            pairs = n * s.start + n * (n + 1) // 2
-            flops = model.linear_flops(n, sampled) + model.attention_flops(pairs)
+            one = BatchShape.from_seqs([(s.start, n, s.samples, n == 1)], model.sliding_window)
+            flops = model.linear_flops(n, sampled) + model.attention_flops(one.attention_pairs)
             moved = (
                 weight_share
-                + model.kv_bytes_per_token * (s.start + 2 * n)  # read the context, write n
+                + model.kv_bytes_per_token * (one.kv_tokens_read + n)  # read the context, write n
                 + model.activation_bytes(n, sampled)
             )
             shares.append((s.request_id, flops, moved))

@@ -58,6 +58,7 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     num_sparse_layers: int = 0
+    sliding_window: int | None = None  # every layer's queries see at most this many keys
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_params, int) or self.num_params <= 0:
@@ -138,6 +139,7 @@ class ModelSpec:
             vocab_size=c.vocab_size,
             tie_word_embeddings=c.tie_word_embeddings,
             attention_bias=c.attention_bias,
+            sliding_window=c.sliding_window,
             **experts,
         )
 
@@ -340,7 +342,7 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
     },
-    # mistralai/Mistral-7B-v0.1 (its 4096-token sliding window is not modelled)
+    # mistralai/Mistral-7B-v0.1 (without its 4096-token sliding window: give "sliding_window")
     "Mistral-7B": {
         "architectures": ["MistralForCausalLM"],
         "hidden_size": 4096,

@@ -69,8 +69,10 @@ class AttentionLayout:
         dtype: torch.dtype,
         device: torch.device,
         native: bool,
+        window: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.window = window  # the model's sliding window (0: none); the reference path's masks
         self.scratch_block = scratch_block  # padding in block tables and for padded tokens
         self.dtype = dtype  # the model's (the reference path's masks)
         self.device = device
@@ -81,7 +83,13 @@ class AttentionLayout:
         """`seqs` in flat order, decodes (one token) first."""
         if not self.native:
             ref = reference.build_reference_metadata(
-                seqs, self.block_size, self.scratch_block, self.dtype, self.device, self.workspace
+                seqs,
+                self.block_size,
+                self.scratch_block,
+                self.dtype,
+                self.device,
+                self.workspace,
+                self.window,
             )
             return AttentionMetadata(slot_mapping, None, None, None, ref)
         max_blocks = max((len(s.block_table) for s in seqs), default=0)
@@ -107,8 +115,11 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q [N, H, D], k and v [N, KVH, D] of this step's tokens; returns [N, H, D]."""
+    """q [N, H, D], k and v [N, KVH, D] of this step's tokens; returns [N, H, D]. `window`
+    > 0: each query sees only its last `window` keys (the reference path's masks were built
+    with the layout's window, which must be this one)."""
     k_cache, v_cache = kv_cache
     if meta.reference is not None:
         return reference.paged_attention(
@@ -125,4 +136,5 @@ def paged_attention(
         meta.seq_lens,
         meta.query_start_loc,
         scale,
+        window,
     )

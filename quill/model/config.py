@@ -68,6 +68,7 @@ class ModelConfig:
     qk_norm: bool = False
     moe: MoEConfig | None = None
     family: str = "llama"
+    sliding_window: int | None = None  # each query sees only its last this many keys
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -100,7 +101,7 @@ class ModelConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=_context(d, traits),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=traits.qkv_bias or bool(d.get("attention_bias", False)),
             bos_token_id=d.get("bos_token_id"),
@@ -108,6 +109,7 @@ class ModelConfig:
             qk_norm=traits.qk_norm,
             moe=_moe(d) if traits.family == "qwen3_moe" else None,
             family=traits.family,
+            sliding_window=_window(d, traits),
         )
 
     @property
@@ -130,14 +132,19 @@ def _refuse_what_is_not_modelled(arch: str, d: dict) -> None:
         raise ModelLoadError(f"{arch}: rope_scaling of type {kind!r} is not supported")
 
 
-def _context(d: dict, traits: Architecture) -> int:
-    """The longest context served: the model's, or its sliding window where one applies
-    (attention over a window is not modelled; within it, it is full attention)."""
-    length = d.get("max_position_embeddings", 2048)
+def _window(d: dict, traits: Architecture) -> int | None:
+    """The sliding window every layer attends over, where the config sets one; None: full
+    attention. Qwen's opt-in window covers only the layers past max_window_layers, which one
+    model-wide window does not model: refused."""
     window = d.get("sliding_window")
-    if traits.window_opt_in and not d.get("use_sliding_window", False):
-        window = None
-    return min(length, window) if window else length
+    if traits.window_opt_in:
+        if not d.get("use_sliding_window", False):
+            return None
+        raise ModelLoadError(
+            "use_sliding_window (a window on some layers only) is not supported; "
+            "use_sliding_window false serves the model with full attention"
+        )
+    return int(window) if window else None
 
 
 def _moe(d: dict) -> MoEConfig:

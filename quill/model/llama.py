@@ -91,6 +91,7 @@ class DecoderLayer(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         hidden = config.hidden_size
         self.scale = config.head_dim**-0.5
+        self.window = config.sliding_window or 0
         self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
         parts = [self.q_size, self.kv_size, self.kv_size]
         self.qkv_proj = MergedLinear(hidden, parts, config.attention_bias)
@@ -137,7 +138,7 @@ class DecoderLayer(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         q, k = fused.rope(q, k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
         o = self.o_proj(attn.view(n, self.q_size))
         if self.tp is not None:
             self.tp.all_reduce(o)
@@ -188,8 +189,8 @@ def _native_layer_weights(layer: DecoderLayer) -> tuple | None:
 
     if layer.tp is not None:  # the fused layer has no place for the all-reduces
         return None
-    if layer.q_norm is not None or not hasattr(layer, "gate_up_proj"):
-        return None  # q/k norms, a sparse MLP: the fused layer has neither
+    if layer.q_norm is not None or layer.window or not hasattr(layer, "gate_up_proj"):
+        return None  # q/k norms, a sliding window, a sparse MLP: the fused layer has none
     if (layer.head_dim // 2) % 16:  # its rotary embedding takes half-rows of 16 lanes
         return None
     linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)

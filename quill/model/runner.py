@@ -97,7 +97,12 @@ class ModelRunner:
         else:
             log.info("attention: PyTorch path (%s), %s KV cache", why_not, self.kv_cache_dtype)
         self.layout = AttentionLayout(
-            self.block_size, num_blocks, self.dtype, self.device, native=why_not is None
+            self.block_size,
+            num_blocks,
+            self.dtype,
+            self.device,
+            native=why_not is None,
+            window=c.sliding_window or 0,
         )
 
     def _positions_and_slots(

@@ -15,7 +15,17 @@ def _write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 @torch.library.register_fake("quill::paged_attention")
 def _paged_attention(
-    q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    window=0,
 ) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

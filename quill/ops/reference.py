@@ -157,15 +157,16 @@ def build_reference_metadata(
     dtype: torch.dtype,
     device: torch.device,
     workspace: Workspace,
+    window: int = 0,
 ) -> ReferenceMetadata:
-    """`seqs` in flat order, decodes (one token) first."""
+    """`seqs` in flat order, decodes (one token) first; `window` > 0: sliding window masks."""
     decodes = [s for s in seqs if len(s.token_ids) == 1]
     chunks = seqs[len(decodes) :]
     decode_tables = decode_bias = None
     prefill_index = prefill_rows = prefill_tables = prefill_bias = None
     if decodes:
         decode_tables, decode_bias = _tables_and_bias(
-            decodes, 1, block_size, scratch_block, dtype, device
+            decodes, 1, block_size, scratch_block, dtype, device, window
         )
     if chunks:
         first = len(decodes)
@@ -178,9 +179,9 @@ def build_reference_metadata(
             first += q
         prefill_index = torch.tensor(index, dtype=torch.long, device=device)
         prefill_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        if len(chunks) > 1 or chunks[0].start > 0:
+        if len(chunks) > 1 or chunks[0].start > 0 or 0 < window < max_q:
             prefill_tables, prefill_bias = _tables_and_bias(
-                chunks, max_q, block_size, scratch_block, dtype, device
+                chunks, max_q, block_size, scratch_block, dtype, device, window
             )
     return ReferenceMetadata(
         decode_tables,
@@ -194,11 +195,17 @@ def build_reference_metadata(
 
 
 def _tables_and_bias(
-    seqs: Sequence[SeqPlan], max_q: int, block_size: int, scratch_block: int, dtype, device
+    seqs: Sequence[SeqPlan],
+    max_q: int,
+    block_size: int,
+    scratch_block: int,
+    dtype,
+    device,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block tables padded with the scratch block, and the additive mask: query i of a
-    sequence sits at position start + i and sees keys up to it (padded queries repeat the
-    last real one)."""
+    sequence sits at position start + i and sees keys up to it, and with a window only its
+    last `window` (padded queries repeat the last real one)."""
     max_blocks = max(len(s.block_table) for s in seqs)
     tables = torch.tensor(
         [s.block_table + [scratch_block] * (max_blocks - len(s.block_table)) for s in seqs],
@@ -211,6 +218,8 @@ def _tables_and_bias(
     last_visible = starts[:, None] + query  # [B, Q]
     keys = torch.arange(max_blocks * block_size, device=device)
     visible = keys[None, None, :] <= last_visible[:, :, None]  # [B, Q, C]
+    if window > 0:
+        visible &= keys[None, None, :] > last_visible[:, :, None] - window
     bias = torch.zeros(visible.shape, dtype=dtype, device=device)
     bias.masked_fill_(~visible, float("-inf"))
     return tables, bias.unsqueeze(1)

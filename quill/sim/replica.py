@@ -89,7 +89,7 @@ class SimExecutor:
             bytes_ = int(tokens * self.cost.model.kv_bytes_per_token)
             self._queue.append([fetch.request_id, bytes_, self.cost.kv_fetch_seconds(tokens), None])
         if plan.seqs:
-            shape = BatchShape.from_plan(plan)
+            shape = BatchShape.from_plan(plan, self.cost.model.sliding_window)
             seconds = self.cost.price(shape).predicted_s
             self.num_steps += 1
             self.busy_s += seconds
