@@ -109,8 +109,9 @@ def write_random_checkpoint(directory, model_dir, kind: str, heads: int, kv_head
 
 def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
     """A tiny randomly initialised transformers model of `kind` (llama, llama3, mistral,
-    mistral_window, qwen2, qwen2.5, qwen3, qwen3_moe, phi3), saved to `directory` with the
-    default model's tokenizer; returns the reference model. `shape` overrides its config."""
+    mistral_window, qwen2, qwen2.5, qwen3, qwen3_moe, phi3, gemma3, gemma3_reference), saved
+    to `directory` with the default model's tokenizer; returns the reference model. `shape`
+    overrides its config."""
     import transformers
 
     from quill.model.default_model import default_model_dir
@@ -127,6 +128,11 @@ def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
     )
     llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    gemma = {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 8,
+             "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                 "full_attention": {"rope_type": "default",
+                                                    "rope_theta": 10000.0}}}  # fmt: skip
     kinds = {  # kind: (config class, model class, what the kind adds)
         "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
         "llama3": ("LlamaConfig", "LlamaForCausalLM",
@@ -146,6 +152,12 @@ def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
                        "mlp_only_layers": [0]}),
         # q/k/v and gate/up fused in the checkpoint
         "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+        # a sliding layer (window of 8) then a global one, each with its RoPE base; head dim
+        # 32 runs the native kernel
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", gemma),
+        # head dim 20: no native kernel takes it, so the PyTorch path (two sets of masks)
+        "gemma3_reference": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                             {**gemma, "head_dim": 20, "query_pre_attn_scalar": 20}),
     }  # fmt: skip
     config_class, model_class, extra = kinds[kind]
     config = getattr(transformers, config_class)(**{**common, **extra, **shape})

@@ -40,6 +40,8 @@ def test_gguf_weights_match_transformers_gguf_loader():
         "phi3",
         "mistral",
         "mistral_window",
+        "gemma3",
+        "gemma3_reference",
         "head_dim_48",
     ],  # fmt: skip
 )

@@ -51,6 +51,8 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Raise ModelLoadError, naming the numbers, unless `size` ranks can split this model."""
     if size < 1:
         raise ModelLoadError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size > 1 and config.family == "gemma3":
+        raise ModelLoadError("tensor parallelism is not supported for Gemma 3 (one rank)")
     if size > 1 and config.moe is not None:
         raise ModelLoadError(
             "tensor parallelism over a sparse MLP's experts is not supported: serve "

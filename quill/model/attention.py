@@ -38,6 +38,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None  # [B] int32: keys each sequence has after the step
     query_start_loc: torch.Tensor | None  # [B + 1] int32: first flat token of each sequence
     reference: reference.ReferenceMetadata | None  # the PyTorch path's layout, when it runs
+    # Its masks for the sliding-window layers of a model that mixes them with global ones.
+    windowed: reference.ReferenceMetadata | None = None
 
 
 def native_supported(
@@ -70,9 +72,13 @@ class AttentionLayout:
         device: torch.device,
         native: bool,
         window: int = 0,
+        mixed: bool = False,
     ) -> None:
         self.block_size = block_size
-        self.window = window  # the model's sliding window (0: none); the reference path's masks
+        # The reference path's masks: the model's sliding window (0: none), and with `mixed`
+        # (global layers beside windowed ones, as Gemma 3's) full-attention masks as well.
+        self.window = window
+        self.mixed = mixed and window > 0
         self.scratch_block = scratch_block  # padding in block tables and for padded tokens
         self.dtype = dtype  # the model's (the reference path's masks)
         self.device = device
@@ -82,16 +88,12 @@ class AttentionLayout:
     def build(self, seqs: Sequence[SeqPlan], slot_mapping: torch.Tensor) -> AttentionMetadata:
         """`seqs` in flat order, decodes (one token) first."""
         if not self.native:
-            ref = reference.build_reference_metadata(
-                seqs,
-                self.block_size,
-                self.scratch_block,
-                self.dtype,
-                self.device,
-                self.workspace,
-                self.window,
-            )
-            return AttentionMetadata(slot_mapping, None, None, None, ref)
+            args = (seqs, self.block_size, self.scratch_block, self.dtype, self.device)
+            ref = reference.build_reference_metadata(*args, self.workspace, self.window)
+            if not self.mixed:
+                return AttentionMetadata(slot_mapping, None, None, None, ref)
+            full = reference.build_reference_metadata(*args, self.workspace, 0)
+            return AttentionMetadata(slot_mapping, None, None, None, full, windowed=ref)
         max_blocks = max((len(s.block_table) for s in seqs), default=0)
         pad = [0] * max_blocks  # never read: the kernel reads a sequence's first seq_len keys
         tables = [s.block_table + pad[len(s.block_table) :] for s in seqs]
@@ -122,9 +124,8 @@ def paged_attention(
     with the layout's window, which must be this one)."""
     k_cache, v_cache = kv_cache
     if meta.reference is not None:
-        return reference.paged_attention(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.reference, scale
-        )
+        ref = meta.windowed if window and meta.windowed is not None else meta.reference
+        return reference.paged_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, ref, scale)
     return torch.ops.quill.paged_attention(
         q,
         k,

@@ -48,7 +48,7 @@ class BucketedForward:
     def __call__(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         # The layout's shapes change every step but only the opaque attention op reads them:
         # symbolic sizes keep them from triggering recompiles.
-        for holder in (meta, meta.reference):
+        for holder in (meta, meta.reference, meta.windowed):
             if holder is None:
                 continue
             for field in fields(holder):

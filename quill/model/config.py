@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture(qk_norm=True, window_opt_in=True),
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qk_norm=True, window_opt_in=True),
     "Phi3ForCausalLM": Architecture(),  # q/k/v and gate/up fused in the checkpoint
+    "Gemma3ForCausalLM": Architecture("gemma3", qk_norm=True),
 }
 SUPPORTED_ARCHITECTURES = sorted(ARCHITECTURES)
 
@@ -69,6 +70,11 @@ class ModelConfig:
     moe: MoEConfig | None = None
     family: str = "llama"
     sliding_window: int | None = None  # each query sees only its last this many keys
+    # Gemma 3: each layer's window (0: global attention), the sliding layers' RoPE base, the
+    # attention scale's 1 / sqrt(query_pre_attn_scalar).
+    layer_windows: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -81,6 +87,8 @@ class ModelConfig:
             )
         traits = ARCHITECTURES[arch]
         _refuse_what_is_not_modelled(arch, d)
+        if traits.family == "gemma3":
+            d = _gemma3(d)
         num_heads = d["num_attention_heads"]
         eos_ids = as_id_list(d.get("eos_token_id"))
         rope_scaling = d.get("rope_scaling") or None
@@ -110,6 +118,9 @@ class ModelConfig:
             moe=_moe(d) if traits.family == "qwen3_moe" else None,
             family=traits.family,
             sliding_window=_window(d, traits),
+            layer_windows=d.get("_layer_windows"),
+            local_rope_theta=d.get("_local_rope_theta"),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
         )
 
     @property
@@ -130,6 +141,32 @@ def _refuse_what_is_not_modelled(arch: str, d: dict) -> None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in (None, "default", "linear", "llama3", "freq_factors"):
         raise ModelLoadError(f"{arch}: rope_scaling of type {kind!r} is not supported")
+
+
+def _gemma3(d: dict) -> dict:
+    """Gemma 3's fields read into the config's: per-layer windows from layer_types (or its
+    every-sixth-layer-global pattern), the two RoPE bases (transformers 5 nests them by layer
+    type), and what quill refuses (soft-capped logits)."""
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(cap) is not None:
+            raise ModelLoadError(f"Gemma3ForCausalLM: {cap} is not supported")
+    num_layers = d["num_hidden_layers"]
+    pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+    types = d.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+    window = int(d["sliding_window"])
+    ropes = d.get("rope_parameters") or {}
+    full = ropes.get("full_attention") or {}
+    local = ropes.get("sliding_attention") or {}
+    out = {k: v for k, v in d.items() if k not in ("rope_parameters", "sliding_window")}
+    out["rope_theta"] = full.get("rope_theta") or d.get("rope_theta") or 1_000_000.0
+    if full.get("rope_type", "default") != "default":
+        out["rope_scaling"] = full
+    out["_layer_windows"] = tuple(window if t == "sliding_attention" else 0 for t in types)
+    out["_local_rope_theta"] = local.get("rope_theta") or d.get("rope_local_base_freq", 10000.0)
+    return out
 
 
 def _window(d: dict, traits: Architecture) -> int | None:

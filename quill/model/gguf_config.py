@@ -17,6 +17,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
@@ -77,6 +78,14 @@ def gguf_hf_config(reader) -> dict:
     }
     if arch == "qwen3moe":
         config |= _moe_config(get, tensor_names, config["num_hidden_layers"])
+    if arch == "gemma3":  # llama.cpp's: every sixth layer global, local RoPE base 10000
+        config |= {
+            "sliding_window": int(get("attention.sliding_window")),
+            "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": config["head_dim"],
+            "tie_word_embeddings": "output.weight" not in tensor_names,
+        }
     if "rope_freqs.weight" in tensor_names:  # Llama 3.1 style: per-frequency divisors
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         config["rope_scaling"] = {

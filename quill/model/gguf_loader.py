@@ -43,6 +43,13 @@ _LAYER_TENSORS = {
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",  # Qwen3-MoE's router
 }
+# Gemma 3's four norms a layer (ffn_norm is the one before its MLP).
+_GEMMA3_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Qwen3-MoE's experts, stacked in one tensor each ([experts, rows, columns]).
 _EXPERT_TENSORS = {
     "ffn_gate_exps": "gate_proj",
@@ -66,11 +73,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (Hugging Face name, float32 tensor) for every weight in the file."""
     arch = gguf_architecture(reader)
+    layer_tensors = _GEMMA3_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         name = _GLOBAL_TENSORS.get(t.name)
         w = _dequantize(t)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp's converter stores Gemma's norms as 1 + w
         parts = t.name.split(".")  # blk.N.kind.weight|bias
         if name is None and len(parts) == 4 and parts[2] in _EXPERT_TENSORS:
             for expert, rows in enumerate(w):  # one Hugging Face tensor per expert
@@ -78,9 +88,9 @@ def gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{hf}.{parts[3]}", torch.from_numpy(np.array(rows, dtype=np.float32))
             continue
         if name is None:
-            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_tensors:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
-            name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+            name = f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
             if arch == "llama" and parts[2] == "attn_q":
                 w = _unpermute(w, config["num_attention_heads"])
             elif arch == "llama" and parts[2] == "attn_k":
@@ -114,6 +124,7 @@ def gguf_quantized_blocks(reader, config: dict) -> Iterator[tuple[str, str, tupl
     every tensor stored in one of those types: int8 and int4 weights take them as they are,
     not re-quantized from the float copy (which rounded them once more, to the model's dtype)."""
     arch = gguf_architecture(reader)
+    layer_tensors = _GEMMA3_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind not in _BLOCK_BYTES:
@@ -123,9 +134,9 @@ def gguf_quantized_blocks(reader, config: dict) -> Iterator[tuple[str, str, tupl
         if name is None and len(parts) == 4 and parts[2] in _EXPERT_TENSORS:
             continue  # experts stay float (quill/model/qwen3_moe.py)
         if name is None:
-            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_TENSORS:
+            if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_tensors:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
-            name = f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+            name = f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
         tensors = _decode_blocks(kind, t.data)
         if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
             heads = config[

@@ -102,7 +102,8 @@ class ModelRunner:
             self.dtype,
             self.device,
             native=why_not is None,
-            window=c.sliding_window or 0,
+            window=c.sliding_window or max(c.layer_windows or (0,)),
+            mixed=c.layer_windows is not None and 0 in c.layer_windows,
         )
 
     def _positions_and_slots(
