@@ -55,7 +55,8 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
         kv_cache_memory=16 << 20,
     )
     prompts = [[5, 17, 300, 4000], list(range(100, 190))]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params)
     for ids, out in zip(prompts, outs, strict=True):
         t = torch.tensor([ids])
         with torch.inference_mode():
@@ -67,7 +68,12 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
                 eos_token_id=None,
                 pad_token_id=0,
             )
+            first = ref(t).logits[0, -1].log_softmax(-1)
         assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist(), kind
+        # The first token's distribution too: a random model's greedy path can hide a wrong
+        # layer behind a token that wins anyway.
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            assert logprob == pytest.approx(first[token].item(), abs=1e-3), (kind, token)
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "phi3"])
