@@ -503,3 +503,14 @@ def test_a_sliding_window_by_hand():
     plan = types.SimpleNamespace(seqs=[decoding])
     cost = CostModel(spec, SLOW).price(plan)  # a plan is priced under the model's window
     assert cost.kv_read_bytes == 4096 * spec.kv_bytes_per_token
+
+
+def test_windowed_layers_between_global_ones_by_hand():
+    """Gemma 3's shape: 2 of 3 layers windowed to 4 keys. A decode at position 100: global
+    layers 101 pairs and keys, windowed ones 4; the step's mean (2 * 4 + 101) / 3 = 36.33,
+    36 rounded."""
+    spec = dataclasses.replace(SMOL, layer_windows=(4, 4, 0))
+    shape = spec.shape_of_seqs([(100, 1, True, True)])
+    assert (shape.attention_pairs, shape.kv_tokens_read) == (36, 36)
+    assert spec.shape_of(types.SimpleNamespace(seqs=[types.SimpleNamespace(
+        start=100, num_tokens=1, samples=True, is_decode=True)])) == shape  # fmt: skip

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.config import cache_dir
-from quill.cost.batch import BatchShape
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import ModelSpec
 from quill.cost.step import CostModel, StepCost
@@ -73,7 +72,7 @@ class CostAccountant:
         model = self.model
         cost = None
         if self.cost_model is not None:
-            cost = self.cost_model.price(BatchShape.from_plan(plan, model.sliding_window))
+            cost = self.cost_model.price(model.shape_of(plan))
             self.last = PricedStep(cost, measured)
         num_tokens = sum(len(s.token_ids) for s in plan.seqs)
         weight_share = model.weight_bytes_for(num_tokens) / max(len(plan.seqs), 1)
@@ -81,7 +80,7 @@ class CostAccountant:
         for s in plan.seqs:
             n = len(s.token_ids)
             sampled = 1 if s.samples else 0
-            one = BatchShape.from_seqs([(s.start, n, s.samples, n == 1)], model.sliding_window)
+            one = model.shape_of_seqs([(s.start, n, s.samples, n == 1)])
             flops = model.linear_flops(n, sampled) + model.attention_flops(one.attention_pairs)
             moved = (
                 weight_share

@@ -7,11 +7,13 @@ be checked by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from quill.cost.batch import BatchShape
 from quill.cost.hardware import canonical_dtype
 from quill.model.config import ModelConfig, tensor_parallel_problems
 
@@ -59,6 +61,8 @@ class ModelSpec:
     expert_intermediate_size: int = 0
     num_sparse_layers: int = 0
     sliding_window: int | None = None  # every layer's queries see at most this many keys
+    # Gemma 3's: each layer's window (0: global), when windowed layers sit between global ones.
+    layer_windows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_params, int) or self.num_params <= 0:
@@ -140,6 +144,7 @@ class ModelSpec:
             tie_word_embeddings=c.tie_word_embeddings,
             attention_bias=c.attention_bias,
             sliding_window=c.sliding_window,
+            layer_windows=c.layer_windows,
             **experts,
         )
 
@@ -226,6 +231,37 @@ class ModelSpec:
     def weight_bytes(self) -> float:
         """Bytes of weights one pass reads, however many tokens share it."""
         return self.params_read_per_pass * self.bytes_per_param
+
+    def shape_of_seqs(self, seqs) -> BatchShape:
+        """A step's shape under this model's attention: (start, num_tokens, samples,
+        is_decode) per sequence. With windowed layers between global ones, the pairs and KV
+        reads are the layers' mean (a windowed layer reads only its window)."""
+        seqs = list(seqs)
+        if not self.layer_windows:
+            return BatchShape.from_seqs(seqs, self.sliding_window)
+        full = BatchShape.from_seqs(seqs)
+        window = max(self.layer_windows)
+        if not window:
+            return full
+        windowed = BatchShape.from_seqs(seqs, window)
+        share = sum(1 for w in self.layer_windows if w) / len(self.layer_windows)
+
+        def mean(a: int, b: int) -> int:
+            return round((1 - share) * a + share * b)
+
+        return dataclasses.replace(
+            full,
+            attention_pairs=mean(full.attention_pairs, windowed.attention_pairs),
+            kv_tokens_read=mean(full.kv_tokens_read, windowed.kv_tokens_read),
+        )
+
+    def shape_of(self, plan) -> BatchShape:
+        """`shape_of_seqs` of an engine plan (BatchShape.from_plan's fast loop without one)."""
+        if not self.sliding_window and not self.layer_windows:
+            return BatchShape.from_plan(plan)
+        return self.shape_of_seqs(
+            (s.start, s.num_tokens, s.samples, s.is_decode) for s in plan.seqs
+        )
 
     def weight_bytes_for(self, num_tokens: int) -> float:
         """Bytes of weights a pass of `num_tokens` tokens reads: all of them, but for a sparse

@@ -135,7 +135,7 @@ class CostModel:
     def price(self, batch) -> StepCost:
         """The cost of one step: a BatchShape, or an engine plan (see BatchShape.from_plan)."""
         if type(batch) is not BatchShape:
-            batch = BatchShape.from_plan(batch, self.model.sliding_window)
+            batch = self.model.shape_of(batch)
         n = batch.num_tokens
         if n == 0:  # nothing runs, nothing is read
             return StepCost(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, "movement", 0.0)

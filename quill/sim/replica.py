@@ -15,7 +15,6 @@ from collections import deque
 
 from quill.contract.plan import StepPlan, StepResult
 from quill.contract.sampling_params import SamplingParams
-from quill.cost.batch import BatchShape
 from quill.cost.step import CostModel
 from quill.engine.clock import VirtualClock
 from quill.engine.core import EngineCore
@@ -89,7 +88,7 @@ class SimExecutor:
             bytes_ = int(tokens * self.cost.model.kv_bytes_per_token)
             self._queue.append([fetch.request_id, bytes_, self.cost.kv_fetch_seconds(tokens), None])
         if plan.seqs:
-            shape = BatchShape.from_plan(plan, self.cost.model.sliding_window)
+            shape = self.cost.model.shape_of(plan)
             seconds = self.cost.price(shape).predicted_s
             self.num_steps += 1
             self.busy_s += seconds
