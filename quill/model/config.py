@@ -30,7 +30,6 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Phi3ForCausalLM": Architecture(),  # q/k/v and gate/up fused in the checkpoint
     "Gemma3ForCausalLM": Architecture("gemma3", qk_norm=True),
 }
-SUPPORTED_ARCHITECTURES = sorted(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ class ModelConfig:
         if arch is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or d.get('model_type')!r}; quill supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(sorted(ARCHITECTURES))}"
             )
         traits = ARCHITECTURES[arch]
         _refuse_what_is_not_modelled(arch, d)

@@ -59,9 +59,6 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.tp = None  # tensor parallelism is refused for this family (quill/distributed)
 
-    def _native_weights(self) -> None:
-        return None  # the fused native layer is Llama's
-
     def forward(self, x, residual, cos, sin, kv_cache, meta: AttentionMetadata):
         """x: the previous layer's output, not yet in the residual stream. Returns (output,
         residual) as Llama's layer does."""
