@@ -74,7 +74,7 @@ class Case:
                 [0] * q_len,
                 start,
                 context,
-                free[b * blocks_per_seq : (b + 1) * blocks_per_seq],
+                [free[b * blocks_per_seq : (b + 1) * blocks_per_seq]],
                 True,
             )
             for b in range(batch)
@@ -85,7 +85,7 @@ class Case:
         self.v = torch.randn(n, KV_HEADS, HEAD_DIM).to(q_dtype)
         self.slots = torch.tensor(
             [
-                s.block_table[p // BLOCK] * BLOCK + p % BLOCK
+                s.block_tables[0][p // BLOCK] * BLOCK + p % BLOCK
                 for s in self.seqs
                 for p in range(start, context)
             ]

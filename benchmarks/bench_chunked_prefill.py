@@ -49,7 +49,8 @@ def main() -> None:
         for name, llm in llms.items():
             paths = ("native", "reference") if r % 2 == 0 else ("reference", "native")
             for path in paths:
-                llm.engine.runner.layout.native = path == "native"
+                for layout in llm.engine.runner.layouts:
+                    layout.native = path == "native"
                 seed += 1
                 t = ttft(llm, args.tokens, 1000 + seed)
                 best[name, path] = min(best.get((name, path), float("inf")), t)

@@ -83,16 +83,18 @@ def main() -> None:
     engine = llm.engine
     if engine.accountant.cost_model is None:
         raise SystemExit("no calibration for this machine: run `quill cost calibrate` first")
-    layout = engine.runner.layout
+    layouts = engine.runner.layouts
     results = {"native": [], "reference": []}
     bandwidth = []
     for r in range(args.rounds):
         bandwidth.append(probe.read_bandwidth())
         for path in ("native", "reference") if r % 2 == 0 else ("reference", "native"):
-            layout.native = path == "native"
+            for layout in layouts:
+                layout.native = path == "native"
             results[path].append(one_round(llm, args.short, args.long, args.steps, 100 * r))
             print(f"round {r + 1} {path}: {results[path][-1]}", flush=True)
-    layout.native = True
+    for layout in layouts:
+        layout.native = True
     kv_per_token = engine.model_config.kv_bytes_per_token * engine.kv_cache_dtype.itemsize
     newcomer_bytes = args.long * kv_per_token
     bw = max(bandwidth)

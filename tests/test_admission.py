@@ -122,7 +122,7 @@ class Plan:
     """Just enough of a StepPlan for BatchShape.from_plan: n prompt tokens of one sequence."""
 
     def __init__(self, n: int) -> None:
-        self.seqs = [SeqPlan("r", [1] * n, 0, n, [0], True)]
+        self.seqs = [SeqPlan("r", [1] * n, 0, n, [[0]], True)]
 
 
 def test_timer_fits_a_line_through_token_counts():

@@ -92,14 +92,14 @@ def random_step(
         total = start + q_len
         count = -(-total // block_size) + rng.choice([0, 0, 1])  # sometimes a spare block
         table = [free.pop() for _ in range(count)]
-        seqs.append(SeqPlan(f"r{n}", [0] * q_len, start, total, table, samples=True))
+        seqs.append(SeqPlan(f"r{n}", [0] * q_len, start, total, [table], samples=True))
     seqs.sort(key=lambda s: len(s.token_ids) > 1)  # decodes first, as the runner lays them out
     num_tokens = sum(q_lens)
     q = torch.randn(num_tokens + padding, heads, head_dim, generator=gen).to(q_dtype)
     k = torch.randn(num_tokens + padding, kv_heads, head_dim, generator=gen).to(q_dtype)
     v = torch.randn(num_tokens + padding, kv_heads, head_dim, generator=gen).to(q_dtype)
     slots = [
-        s.block_table[p // block_size] * block_size + p % block_size
+        s.block_tables[0][p // block_size] * block_size + p % block_size
         for s in seqs
         for p in range(s.start, s.context_len)
     ] + [num_blocks * block_size] * padding
@@ -115,7 +115,7 @@ def random_step(
     group = heads // kv_heads
     for s in seqs:
         n, ctx = len(s.token_ids), s.context_len
-        blocks = torch.tensor(s.block_table)
+        blocks = torch.tensor(s.block_tables[0])
         ks = new_keys[blocks].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx].double()
         vs = new_values[blocks].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx].double()
         ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # [ctx, H, D]
@@ -150,7 +150,7 @@ def run(step: Step, path: str) -> torch.Tensor:
     )
     meta = layout.build(step.seqs, step.slots)
     kv = (step.k_cache, step.v_cache)
-    return paged_attention(step.q, step.k, step.v, kv, meta, step.scale, step.window)
+    return paged_attention(step.q, step.k, step.v, kv, meta, step.scale)
 
 
 def check(step: Step, out: torch.Tensor, atol: float, rtol: float) -> None:

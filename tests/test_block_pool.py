@@ -7,6 +7,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quill.contract.kv_groups import NULL_BLOCK, first_needed_block
 from quill.contract.sampling_params import SamplingParams
 from quill.engine.block_pool import BlockPool
 from quill.engine.kv_cache import KVCacheManager
@@ -18,9 +19,11 @@ def check_invariants(scheduler: Scheduler, content: dict[int, list] | None = Non
     kv = scheduler.kv
     pool = kv.pool
     owners: dict[int, int] = {}
-    for table in kv.block_tables.values():
-        assert len(table) == len(set(table)), "a block twice in one table"
-        for b in table:
+    for tables in kv.block_tables.values():
+        assert len({len(t) for t in tables}) == 1, "a request's tables differ in length"
+        blocks = [b for t in tables for b in t if b != NULL_BLOCK]
+        assert len(blocks) == len(set(blocks)), "a block twice in a request's tables"
+        for b in blocks:
             owners[b] = owners.get(b, 0) + 1
     for b in range(pool.num_blocks):
         assert pool.ref_counts[b] == owners.get(b, 0), f"block {b}'s count is off"
@@ -30,15 +33,24 @@ def check_invariants(scheduler: Scheduler, content: dict[int, list] | None = Non
         assert pool.block_hashes[b] == block_hash
     assert sum(h is not None for h in pool.block_hashes) == len(pool.cached)
     for request in scheduler.running:
-        table = kv.block_table(request.request_id)
-        assert len(table) * kv.block_size >= request.num_computed_tokens
+        tables = kv.block_tables[request.request_id]
+        assert len(tables[0]) * kv.block_size >= request.num_computed_tokens
+        for window, table in zip(kv.group_windows, tables):
+            # What the next token's window reads is held; behind it, at most a step's worth
+            # waits to be freed.
+            first = first_needed_block(window, request.num_computed_tokens, kv.block_size)
+            assert NULL_BLOCK not in table[first:]
+            if window:
+                held = sum(b != NULL_BLOCK for b in table)
+                assert held <= (scheduler.token_budget + window - 1) // kv.block_size + 2
     for request in scheduler.waiting:
         assert not kv.block_table(request.request_id)
     assert len(scheduler.running) <= scheduler.max_num_seqs
     if content is not None:  # every cached block holds the tokens its hash was made from
         for b, block_hash in enumerate(pool.block_hashes):
             if block_hash is not None:
-                assert tuple(content[b]) == BLOCK_TOKENS[block_hash], f"block {b} is stale"
+                tokens = BLOCK_TOKENS[block_hash[:32]]  # past 32 bytes: the group's mark
+                assert tuple(content[b]) == tokens, f"block {b} is stale"
 
 
 # Hash -> the tokens of the block it names, for every full block any request ever hashed.
@@ -64,11 +76,14 @@ ops = st.lists(
     max_seqs=st.integers(1, 8),
     caching=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority"]),
+    windows=st.sampled_from([(0,), (0, 6), (6, 6, 0), (9,), (5, 0, 13)]),
 )
-def test_pool_under_random_traffic(ops, num_blocks, budget, max_seqs, caching, policy):
+def test_pool_under_random_traffic(ops, num_blocks, budget, max_seqs, caching, policy, windows):
     """Random adds (prompts sharing one of a few prefixes, some ending mid-block), steps,
-    aborts and stops; small pools force preemption and eviction of cached blocks."""
-    kv = KVCacheManager(num_blocks, block_size=4, enable_prefix_caching=caching)
+    aborts and stops; small pools force preemption and eviction of cached blocks. With KV
+    groups of sliding windows (`windows`: each group's, 0 global) every key a step's queries
+    read is still held and holds its token, while the blocks behind the windows are freed."""
+    kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=caching, group_windows=windows)
     scheduler = Scheduler(kv, budget, max_seqs, max_model_len=10_000, policy=policy)
     ids: list[str] = []
     requests: list[Request] = []
@@ -81,7 +96,7 @@ def test_pool_under_random_traffic(ops, num_blocks, budget, max_seqs, caching, p
             request = Request(
                 rid, prompt, SamplingParams(max_tokens=b), float(len(ids)), b, priority=priority
             )
-            if kv.can_ever_fit(len(prompt) + 1):
+            if kv.can_ever_fit(len(prompt) + 1, min(budget, len(prompt) + 1)):
                 scheduler.add_request(request)
                 ids.append(rid)
                 requests.append(request)
@@ -119,14 +134,26 @@ def run_step(scheduler: Scheduler, content: dict[int, list] | None = None) -> No
     assert len(ids) == len(set(ids))
     assert all(s.num_tokens >= 1 for s in out.scheduled), "a step must compute what it samples"
     kv = scheduler.kv
+    size = kv.block_size
     for s in out.scheduled:  # the "model" writes each computed token's KV into its slot
-        table = kv.block_table(s.request.request_id)
+        tables = kv.block_tables[s.request.request_id]
         tokens = s.request.token_ids_slice(s.start, s.start + s.num_tokens)
-        for pos, token in enumerate(tokens, s.start):
-            block = table[pos // kv.block_size]
-            if content is not None:
-                assert kv.pool.ref_counts[block] >= 1
-                content[block][pos % kv.block_size] = token
+        for table in tables:
+            for pos, token in enumerate(tokens, s.start):
+                block = table[pos // size]
+                if content is not None:
+                    assert kv.pool.ref_counts[block] >= 1
+                    content[block][pos % size] = token
+    if content is not None:  # then attends: the step's first and last queries read their keys
+        for s in out.scheduled:
+            tables = kv.block_tables[s.request.request_id]
+            everything = s.request.token_ids_slice(0, s.start + s.num_tokens)
+            for query in {s.start, s.start + s.num_tokens - 1}:
+                for window, table in zip(kv.group_windows, tables):
+                    for key in range(max(0, query - window + 1) if window else 0, query + 1):
+                        block = table[key // size]
+                        assert block != NULL_BLOCK, f"key {key} of query {query} was freed"
+                        assert content[block][key % size] == everything[key]
     # A deterministic "model": the next token is the position; recompute must give it again.
     sampled = {s.request.request_id: [s.request.num_tokens] for s in out.scheduled if s.samples}
     scheduler.update(out, sampled)
@@ -195,7 +222,7 @@ def test_cached_blocks_outlive_their_request_and_go_least_recently_used_first():
     assert second in fresh and first not in fresh
     assert kv.pool.num_evictions == 1 and list(kv.pool.cached.values()) == [first]
     b = Request("b", list(range(9)), SamplingParams(max_tokens=1), 0.0, 1)
-    assert kv.find_cached_prefix(b) == [first]
+    assert kv.find_cached_prefix(b) == [[first]]
 
 
 def test_a_failed_request_leaves_nothing_cached_that_only_it_held():
@@ -205,7 +232,7 @@ def test_a_failed_request_leaves_nothing_cached_that_only_it_held():
     assert kv.allocate_slots(a, 8)
     kv.cache_blocks(a, 8)
     shared = kv.find_cached_prefix(b)
-    assert shared == kv.block_table("a")[:1]
+    assert shared == [kv.block_table("a")[:1]]
     assert kv.allocate_slots(b, 9, shared)
     kv.free("a", uncache=True)  # its step failed: what only it wrote is forgotten
-    assert list(kv.pool.cached.values()) == shared  # b holds the first block: it stays
+    assert list(kv.pool.cached.values()) == shared[0]  # b holds the first block: it stays

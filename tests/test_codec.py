@@ -72,7 +72,7 @@ def seq_plans(draw) -> SeqPlan:
         draw(tokens.filter(bool)),
         draw(st.integers(0, 10_000)),
         draw(st.integers(1, 10_000)),
-        draw(st.lists(st.integers(0, 1 << 20), max_size=10)),
+        draw(st.lists(st.lists(st.integers(-1, 1 << 20), max_size=10), min_size=1, max_size=3)),
         samples,
         draw(params) if samples else None,
         draw(tokens) if history else None,
@@ -156,7 +156,7 @@ def test_every_message_round_trips_unchanged(message):
 
 
 def test_a_step_plan_keeps_its_sampling_parameters_typed():
-    plan = StepPlan(7, [SeqPlan("a", [1, 2], 0, 2, [3], True, SamplingParams(temperature=0))])
+    plan = StepPlan(7, [SeqPlan("a", [1, 2], 0, 2, [[3]], True, SamplingParams(temperature=0))])
     back = Codec().decode(Codec().encode(plan))
     assert isinstance(back.seqs[0].sampling_params, SamplingParams)
     assert back.seqs[0].sampling_params.greedy and back.num_decode_tokens == 0

@@ -52,9 +52,9 @@ def test_request_flops_do_not_depend_on_batching(llm):
 
 def _plan() -> StepPlan:
     seqs = [
-        SeqPlan("a", [1], 10, 10, [0], True),  # a decode after 10 tokens
-        SeqPlan("b", [1] * 6, 0, 6, [1], True),  # a whole 6-token prompt
-        SeqPlan("c", [1] * 4, 4, 12, [2], False),  # a middle chunk: samples nothing
+        SeqPlan("a", [1], 10, 10, [[0]], True),  # a decode after 10 tokens
+        SeqPlan("b", [1] * 6, 0, 6, [[1]], True),  # a whole 6-token prompt
+        SeqPlan("c", [1] * 4, 4, 12, [[2]], False),  # a middle chunk: samples nothing
     ]
     return StepPlan(0, seqs)
 

@@ -23,7 +23,7 @@ ROUNDING = 1e-3
 
 
 def _row(request_id: str, params: SamplingParams) -> SeqPlan:
-    return SeqPlan(request_id, [5], 3, 3, [0], True, params)
+    return SeqPlan(request_id, [5], 3, 3, [[0]], True, params)
 
 
 def test_seeded_draws_do_not_depend_on_the_batch():
@@ -69,10 +69,10 @@ def test_a_reply_split_over_two_samplers_draws_what_one_draws():
     the decode side's new generator starts past the draw made elsewhere."""
     logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, seed=42)
-    prompt = SeqPlan("r", [7, 8, 9], 0, 3, [0], True, params)
+    prompt = SeqPlan("r", [7, 8, 9], 0, 3, [[0]], True, params)
 
     def decode_row(position: int, token: int) -> SeqPlan:
-        return SeqPlan("r", [token], position, 3, [0], True, params)
+        return SeqPlan("r", [token], position, 3, [[0]], True, params)
 
     one = Sampler(torch.device("cpu"))
     whole = one(logits, [prompt]).token_ids

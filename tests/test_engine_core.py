@@ -30,7 +30,7 @@ def test_core_and_plan_import_no_torch():
 
 
 def _seq(start: int, n: int, num_prompt: int) -> SeqPlan:
-    return SeqPlan("r", list(range(n)), start, num_prompt, [0], samples=True)
+    return SeqPlan("r", list(range(n)), start, num_prompt, [[0]], samples=True)
 
 
 def test_what_counts_as_decode():

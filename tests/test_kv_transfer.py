@@ -39,7 +39,7 @@ def _runner(model_dir, kv_cache_dtype="float32"):
 
 
 def _prefill(runner, table):
-    plan = StepPlan(0, [SeqPlan("r", PROMPT, 0, len(PROMPT), table, True, GREEDY)])
+    plan = StepPlan(0, [SeqPlan("r", PROMPT, 0, len(PROMPT), [table], True, GREEDY)])
     return runner.execute(plan)
 
 
@@ -48,7 +48,7 @@ def _decode(runner, table, first):
     tokens, logprobs, last = [], [], first
     for i in range(STEPS):
         start = len(PROMPT) + i
-        plan = StepPlan(i + 1, [SeqPlan("r", [last], start, len(PROMPT), table, True, GREEDY)])
+        plan = StepPlan(i + 1, [SeqPlan("r", [last], start, len(PROMPT), [table], True, GREEDY)])
         result = runner.execute(plan)
         last = result.sampled["r"][0]
         tokens.append(last)

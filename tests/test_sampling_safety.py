@@ -83,7 +83,7 @@ def _seq(request_id: str, params: SamplingParams, prompt: list[int], output: lis
         tokens[-1:],
         len(tokens) - 1,
         len(prompt),
-        [0],
+        [[0]],
         True,
         params,
         prompt if history else None,
@@ -242,10 +242,10 @@ def test_min_tokens_bars_end_and_stop_ids_until_reached():
 def test_min_tokens_counts_outputs_of_a_recomputed_request():
     # A preempted request recomputes prompt and output in one chunk; it has 2 outputs so far.
     params = SamplingParams(temperature=0, min_tokens=3)
-    seq = SeqPlan("r", [1, 2, 3, 6, 6], 0, 3, [0], True, params)
+    seq = SeqPlan("r", [1, 2, 3, 6, 6], 0, 3, [[0]], True, params)
     logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 1.0, 0.0]])
     assert Sampler(torch.device("cpu"), end_token_ids=[3])(logits, [seq]).token_ids == [6]
-    seq = SeqPlan("r", [1, 2, 3, 6, 6, 6], 0, 3, [0], True, params)
+    seq = SeqPlan("r", [1, 2, 3, 6, 6, 6], 0, 3, [[0]], True, params)
     assert Sampler(torch.device("cpu"), end_token_ids=[3])(logits, [seq]).token_ids == [3]
 
 

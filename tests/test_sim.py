@@ -450,3 +450,25 @@ def test_quill_command_runs_simulate():
     assert proc.returncode == 2 and proc.stderr.strip().endswith(
         "not a preset (A100-80GB-SXM, H100-SXM, H200, L40S) nor a JSON file"
     )
+
+
+def test_windowed_layers_pool_blocks_of_their_groups_by_hand():
+    """SmolLM2's 30 layers with 2 of 3 windowed to 64 keys: groups of 10 layers (2 windowed, 1
+    global), so a pool block is 10 layers' keys for 16 tokens, 23040 / 3 * 16 = 122880 bytes
+    in bf16. 100 of them hold a 1200-token request: 75 global blocks and each windowed group's
+    chunk of 64 with 63 keys back, 9 blocks at most, 93 in all, where 225 would be needed
+    without the release."""
+    spec = replace(ModelSpec.preset("SmolLM2-135M"), layer_windows=(64, 64, 0) * 10)
+    assert spec.kv_bytes_per_token == 23040
+    config = SimConfig.create(
+        spec, TOY, kv_cache_memory=100 * 122880, max_num_batched_tokens=64, max_model_len=2048
+    )
+    assert config.num_blocks == 100
+    assert config.kv_tokens == 100 * 16 // 3
+    assert config.check_request(1000, 200) is None
+    assert "never fit" in config.check_request(1900, 100)  # 119 + 2 * 9 blocks
+    sim = run_colocated(config, [WorkItem("a", 0.0, 1000, 200)])
+    assert sim["results"]["num_preemptions"] == 0
+    results = sim["results"]
+    assert results["num_requests"] == 1 and results["num_truncated"] == 0
+    assert results["output_tokens"] == 200

@@ -149,7 +149,7 @@ def test_sampler_failure_leaves_seeded_generators_as_they_were():
     def seq(rid: str, seed: int) -> SeqPlan:
         params = SamplingParams(temperature=1.0, seed=1)
         object.__setattr__(params, "seed", seed)  # past validation, as a corrupted plan might
-        return SeqPlan(rid, [1], 3, 3, [0], True, params)
+        return SeqPlan(rid, [1], 3, 3, [[0]], True, params)
 
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
     alone = Sampler(torch.device("cpu"))

@@ -22,7 +22,7 @@ def bitmask(allowed: set[int], vocab: int = VOCAB) -> bytes:
 
 
 def row(request_id: str, params: SamplingParams, mask: bytes | None = None, drafts=None):
-    return SeqPlan(request_id, [5], 3, 3, [0], True, params, token_bitmask=mask,
+    return SeqPlan(request_id, [5], 3, 3, [[0]], True, params, token_bitmask=mask,
                    draft_token_ids=drafts)  # fmt: skip
 
 

@@ -57,7 +57,9 @@ class SeqPlan:
     token_ids: list[int]
     start: int  # the request's num_computed_tokens before the step
     num_prompt_tokens: int
-    block_table: list[int]  # KV blocks holding positions 0 .. context_len - 1
+    # KV blocks holding positions 0 .. context_len - 1, one table per KV group
+    # (quill/contract/kv_groups.py; NULL_BLOCK: freed, behind a sliding group's window).
+    block_tables: list[list[int]]
     samples: bool  # the step reaches the request's last token, so it yields a new token
     sampling_params: SamplingParams | None = None  # set when `samples`
     # The token history, sent only when a penalty needs it (they grow with every token).

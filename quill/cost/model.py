@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from quill.contract.kv_groups import KVGroups
 from quill.cost.batch import BatchShape
 from quill.cost.hardware import canonical_dtype
 from quill.model.config import ModelConfig, tensor_parallel_problems
@@ -298,6 +299,15 @@ class ModelSpec:
         if self.is_abstract:
             return 0
         return 4 * self.num_layers * self.num_heads * self.head_dim * attention_pairs
+
+    @property
+    def kv_groups(self) -> KVGroups:
+        """How its layers share the KV pool (quill/contract/kv_groups.py): windowed layers
+        beside global ones make several groups."""
+        if self.is_abstract:
+            return KVGroups.uniform(1)
+        windows = self.layer_windows or [self.sliding_window or 0] * self.num_layers
+        return KVGroups.of(windows)
 
     @property
     def kv_bytes_per_token(self) -> float:

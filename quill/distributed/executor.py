@@ -53,8 +53,8 @@ class TensorParallelExecutor:
         self._failed = False  # a pass failed: the ranks are out of step, none can be told
 
     @property
-    def layout(self):
-        return self.runner.layout
+    def layouts(self):
+        return self.runner.layouts
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.sample(self.forward_pass(plan))

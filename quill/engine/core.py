@@ -117,7 +117,7 @@ class EngineCore:
             if self.admission is not None:
                 pending = [item for kind, item in self._pending if kind == "add"]
                 pending += self._unsnapshotted
-                num_cached = len(kv.find_cached_prefix(request)) * kv.block_size
+                num_cached = len(kv.find_cached_prefix(request)[0]) * kv.block_size
                 started = self._step_started
                 elapsed = None if started is None else self.clock.now() - started
                 self.admission.admit(request, num_cached, self._queue_state, pending, elapsed)
@@ -426,7 +426,7 @@ class EngineCore:
                     request.token_ids_slice(start, start + s.num_tokens),
                     start,
                     len(request.prompt_token_ids),
-                    tables[request.request_id][:],
+                    [table[:] for table in tables[request.request_id]],
                     samples,
                     params,
                     request.prompt_token_ids if history else None,
@@ -439,7 +439,7 @@ class EngineCore:
         fetches = []
         for request in sched.fetches:
             rid = request.request_id
-            fetches.append(KVFetch(rid, tables[rid][:], request.remote_kv))
+            fetches.append(KVFetch(rid, tables[rid][0][:], request.remote_kv))  # one group
             request.remote_kv = None  # its fetch starts with this plan
         ended, self._ended_ids = self._ended_ids, []
         plan = StepPlan(self._next_step_id, seqs, ended, fetches)

@@ -11,6 +11,11 @@ every token's keys and values in a layer before any attention in that layer read
 a request admitted in the same step (the other `n - 1` samples of one prompt) can already map
 them. A new request maps the longest chain of cached blocks that leaves its last token to
 compute (a step must sample from something), and computes only the rest.
+
+A model of several KV groups (quill/contract/kv_groups.py: sliding-window layers beside global
+ones) gives each request one table per group over the one pool. A sliding group's blocks behind
+its window go back to the pool as the request grows (their cached content stays until evicted),
+and a cached prefix counts for it only if the blocks its next token's window reads are cached.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from quill.contract.kv_groups import NULL_BLOCK, first_needed_block, peak_blocks
 from quill.engine.block_pool import BlockPool
 from quill.engine.request import Request
 
@@ -55,15 +61,25 @@ class KVLease:
 
 
 class KVCacheManager:
-    """Maps requests to block tables over a BlockPool, sharing cached full blocks."""
+    """Maps requests to block tables (one per KV group) over a BlockPool, sharing cached full
+    blocks."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        group_windows: Sequence[int] = (0,),
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_tables: dict[str, list[int]] = {}
+        self.group_windows = tuple(group_windows)  # KVGroups.group_windows (0: global)
+        self._global_groups = [g for g, w in enumerate(self.group_windows) if not w]
+        self._sliding_groups = [g for g, w in enumerate(self.group_windows) if w]
+        # A request's tables, one per group, all of one length: entry i holds tokens
+        # i * block_size ... (NULL_BLOCK: freed, behind a sliding group's window).
+        self.block_tables: dict[str, list[list[int]]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of a table already cached
         self.stats = PrefixCacheStats()
         self.leases: dict[str, KVLease] = {}  # by request id
@@ -82,11 +98,27 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.pool.num_blocks
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self.block_tables.get(request_id, [])
+    def peak_blocks(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        """Blocks a request of `num_tokens` tokens, computed at most `chunk_tokens` a step,
+        holds at once over its tables."""
+        chunk = num_tokens if chunk_tokens is None else chunk_tokens
+        return peak_blocks(self.group_windows, num_tokens, chunk, self.block_size)
+
+    def can_ever_fit(self, num_tokens: int, chunk_tokens: int | None = None) -> bool:
+        return self.peak_blocks(num_tokens, chunk_tokens) <= self.pool.num_blocks
+
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        tables = self.block_tables.get(request_id)
+        return tables[group] if tables else []
+
+    def _key(self, group: int, block_hash: bytes) -> bytes:
+        """A group's blocks hold other layers' keys than the same tokens' blocks of another
+        group: the cache tells them apart."""
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
     # -- prefix caching -------------------------------------------------------------------
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
@@ -101,19 +133,46 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks holding the longest cached prefix of the request's tokens, short of its last
-        token. Changes nothing: `allocate_slots` takes them."""
+    def find_cached_prefix(self, request: Request) -> list[list[int]]:
+        """Each group's blocks holding the longest cached prefix of the request's tokens, short
+        of its last token (all of one length; a sliding group's blocks that its next token's
+        window does not reach are NULL_BLOCK). Changes nothing: `allocate_slots` takes them."""
         if not self.enable_prefix_caching:
-            return []
-        lookup = self.pool.lookup
-        found = []
-        for block_hash in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
-            block = lookup(block_hash)
-            if block is None:
-                break
-            found.append(block)
-        return found
+            return [[] for _ in self.group_windows]
+        lookup, key = self.pool.lookup, self._key
+        hashes = self.block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        found: list[list[int | None]] = [[] for _ in self.group_windows]
+        limit = len(hashes)
+        for g in self._global_groups:
+            for block_hash in hashes[:limit]:
+                block = lookup(key(g, block_hash))
+                if block is None:
+                    break
+                found[g].append(block)
+            limit = len(found[g])
+        if self._sliding_groups:
+            for g in self._sliding_groups:
+                found[g] = [lookup(key(g, h)) for h in hashes[:limit]]
+            limit = self._sliding_prefix(found, limit)
+            for g in self._sliding_groups:
+                first = self._first_needed(g, limit * self.block_size)
+                found[g] = [NULL_BLOCK] * first + found[g][first:limit]
+        return [blocks[:limit] for blocks in found]
+
+    def _sliding_prefix(self, found: list[list[int | None]], limit: int) -> int:
+        """The most blocks, up to `limit`, whose following token finds every block its window
+        reads cached in each sliding group."""
+        for length in range(limit, 0, -1):
+            position = length * self.block_size
+            if all(
+                None not in found[g][self._first_needed(g, position) : length]
+                for g in self._sliding_groups
+            ):
+                return length
+        return 0
+
+    def _first_needed(self, group: int, position: int) -> int:
+        return first_needed_block(self.group_windows[group], position, self.block_size)
 
     def record_lookup(self, num_tokens: int, num_cached_tokens: int) -> None:
         self.stats.queries += num_tokens
@@ -128,44 +187,69 @@ class KVCacheManager:
         if full <= done or not self.enable_prefix_caching:
             return
         hashes = self.block_hashes(request, full)
-        table = self.block_tables[rid]
-        cache = self.pool.cache
-        for i in range(done, full):
-            cache(table[i], hashes[i])
+        cache, key = self.pool.cache, self._key
+        for g, table in enumerate(self.block_tables[rid]):
+            for i in range(done, full):
+                if table[i] != NULL_BLOCK:
+                    cache(table[i], key(g, hashes[i]))
         self._num_registered[rid] = full
 
     # -- tables ---------------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_tokens: int, cached_blocks: Sequence[int] = ()
+        self, request: Request, num_tokens: int, cached_blocks: Sequence[Sequence[int]] = ()
     ) -> bool:
-        """Grow the request's table to hold `num_tokens` tokens, starting it with
+        """Grow the request's tables to hold `num_tokens` tokens, starting them with
         `cached_blocks` (from `find_cached_prefix`, for a request with no table yet); False,
-        with nothing changed, if the pool is short."""
+        with nothing changed but blocks behind its windows freed, if the pool is short."""
         rid = request.request_id
-        table = self.block_tables.get(rid)
-        if table is None:
-            table = self.block_tables[rid] = []
+        tables = self.block_tables.get(rid)
+        if tables is None:
+            tables = self.block_tables[rid] = [[] for _ in self.group_windows]
+        elif self._sliding_groups:
+            self._free_behind_windows(tables, request.num_computed_tokens)
         pool = self.pool
-        needed = self.blocks_for(num_tokens) - len(table) - len(cached_blocks)
-        revived = sum(1 for b in cached_blocks if pool.ref_counts[b] == 0)  # leave the free list
-        if max(needed, 0) + revived > pool.num_free_blocks:
+        num_cached = len(cached_blocks[0]) if cached_blocks else 0
+        needed = self.blocks_for(num_tokens) - len(tables[0]) - num_cached
+        revived = 0  # cached blocks that leave the free list
+        if num_cached:
+            ref_counts = pool.ref_counts
+            revived = sum(1 for bs in cached_blocks for b in bs if b >= 0 and ref_counts[b] == 0)
+        if max(needed, 0) * len(tables) + revived > pool.num_free_blocks:
             return False
-        if cached_blocks:
-            pool.take(list(cached_blocks))
-            table.extend(cached_blocks)
-            self._num_registered[rid] = len(cached_blocks)
+        if num_cached:
+            for table, blocks in zip(tables, cached_blocks, strict=True):
+                pool.take([b for b in blocks if b != NULL_BLOCK])
+                table.extend(blocks)
+            self._num_registered[rid] = num_cached
         if needed > 0:
-            table.extend(pool.allocate(needed))
+            for table in tables:
+                table.extend(pool.allocate(needed))
         return True
+
+    def _free_behind_windows(self, tables: list[list[int]], position: int) -> None:
+        """Free each sliding group's blocks that no query from `position` on reads."""
+        for g in self._sliding_groups:
+            table = tables[g]
+            i = self._first_needed(g, position) - 1
+            freed = []
+            while i >= 0 and table[i] != NULL_BLOCK:  # the freed ones are a prefix
+                freed.append(table[i])
+                table[i] = NULL_BLOCK
+                i -= 1
+            if freed:
+                self.pool.free(freed[::-1])
 
     # -- leases ---------------------------------------------------------------------------
     def lease(self, request_id: str, num_tokens: int, expires_at: float) -> KVLease | None:
         """Keep the blocks holding a finished request's first `num_tokens` tokens (the rest
         of its table is freed) until `release` or `expires_at`."""
-        table = self.block_tables.pop(request_id, None)
+        tables = self.block_tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        if not table:
+        if not tables:
             return None
+        if len(tables) > 1:
+            raise ValueError("a KV lease holds one group's table (disaggregation refuses more)")
+        table = tables[0]
         keep = self.blocks_for(num_tokens)
         if keep < len(table):
             self.pool.free(table[keep:])
@@ -193,10 +277,13 @@ class KVCacheManager:
         """Release the request's blocks; their cached content stays for others unless
         `uncache` (the request failed, so what its last step wrote is not to be trusted: the
         blocks only it holds are forgotten)."""
-        table = self.block_tables.pop(request_id, None)
+        tables = self.block_tables.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        if not table:
+        if not tables:
             return
-        if uncache:
-            self.pool.uncache([b for b in table if self.pool.ref_counts[b] == 1])
-        self.pool.free(table)
+        for table in tables:
+            if self._sliding_groups:
+                table = [b for b in table if b != NULL_BLOCK]
+            if uncache:
+                self.pool.uncache([b for b in table if self.pool.ref_counts[b] == 1])
+            self.pool.free(table)

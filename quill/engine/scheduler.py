@@ -84,11 +84,19 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------------
     def check_request(self, request: Request) -> None:
         """Raise InvalidRequestError if the request can never be served here."""
-        if not self.kv.can_ever_fit(request.num_prompt_tokens + 1):
+        num_tokens = request.num_prompt_tokens + 1
+        if not self.kv.can_ever_fit(num_tokens, min(num_tokens, self.token_budget)):
             raise InvalidRequestError(
                 f"prompt of {request.num_prompt_tokens} tokens can never fit in the KV cache "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens)",
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens, "
+                f"{self.kv.peak_blocks(num_tokens)} needed)",
                 param="prompt",
+            )
+        if request.remote_kv is not None and self.kv.num_groups > 1:
+            raise InvalidRequestError(
+                "prompt KV from a prefill instance cannot be taken by a model with "
+                f"{self.kv.num_groups} KV groups (sliding-window layers beside global ones)",
+                param="kv_transfer_params",
             )
         if request.priority != 0 and self.policy != SchedulingPolicy.PRIORITY:
             raise InvalidRequestError(
@@ -172,7 +180,7 @@ class Scheduler:
                 n = budget
             table = tables.get(request.request_id)
             # Blocks to spare (the common case for a decode) need no allocation.
-            if table is None or len(table) * block_size < start + n:
+            if table is None or len(table[0]) * block_size < start + n:
                 if not self._grow_or_preempt(request, n, out):
                     continue  # request was preempted or finished; running[i] is the next one
             if caching and (start + n) % block_size < n:  # a block fills up in this step
@@ -194,9 +202,9 @@ class Scheduler:
             computed = request.num_computed_tokens
             remote = request.remote_kv
             cached = kv.find_cached_prefix(request)
-            num_cached = len(cached) * block_size
+            num_cached = len(cached[0]) * block_size
             if remote is not None:  # its KV comes from a prefill instance but what is cached
-                request.remote_kv = replace(remote, num_cached_blocks=len(cached))
+                request.remote_kv = replace(remote, num_cached_blocks=len(cached[0]))
             else:
                 computed += num_cached
             n = min(request.num_tokens - computed, budget)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from quill.config import EngineConfig
+from quill.contract.errors import ModelLoadError
 from quill.contract.messages import (
     EngineInfo,
     EngineOutputs,
@@ -48,7 +49,12 @@ class EngineWorker:
             built = build_model_executor(config)
         self.built = built
         self.runner = built.runner
-        kv = KVCacheManager(built.num_blocks, config.block_size, config.enable_prefix_caching)
+        kv = KVCacheManager(
+            built.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            built.model_config.kv_groups.group_windows,
+        )
         scheduler = Scheduler(
             kv,
             built.token_budget,
@@ -93,6 +99,12 @@ class EngineWorker:
             self.runner.kv_fetcher = KVFetcher(self.runner, name, config.kv_transfer_timeout)
             if config.kv_transfer_port is not None:
                 from quill.disagg.serve import KVServer
+
+                if kv.num_groups > 1:
+                    raise ModelLoadError(
+                        "disaggregated prefill moves one block table a request; this model's "
+                        f"sliding-window layers beside global ones keep {kv.num_groups}"
+                    )
 
                 self.kv_server = KVServer(
                     self.core,

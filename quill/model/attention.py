@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, for a flat batch of tokens with no padding between them.
 
 The runner lays each step out as decodes first (one query each), then prompt chunks, and builds
-an `AttentionMetadata` once per step; every layer receives it and its own cache tensors as
-arguments (nothing is read from module state). Each layer writes the step's keys and values
+an `AttentionMetadata` once per step for each KV group (quill/contract/kv_groups.py: one table
+per group, and the group's window); every layer receives its group's and its own cache tensors
+as arguments (nothing is read from module state). Each layer writes the step's keys and values
 into their cache slots and attends every query to its own sequence's keys, in one op:
 
 - the native kernel (`quill::paged_attention`, csrc/attention.cpp) where the CPU has a built
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quill.contract.kv_groups import NULL_BLOCK
 from quill.contract.plan import SeqPlan
 from quill.ops import library, reference
 
@@ -38,8 +40,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None  # [B] int32: keys each sequence has after the step
     query_start_loc: torch.Tensor | None  # [B + 1] int32: first flat token of each sequence
     reference: reference.ReferenceMetadata | None  # the PyTorch path's layout, when it runs
-    # Its masks for the sliding-window layers of a model that mixes them with global ones.
-    windowed: reference.ReferenceMetadata | None = None
+    window: int = 0  # > 0: each query sees only its last `window` keys
 
 
 def native_supported(
@@ -62,7 +63,7 @@ def native_supported(
 
 
 class AttentionLayout:
-    """Builds each step's `AttentionMetadata` for the path this model runs."""
+    """Builds each step's `AttentionMetadata` of one KV group for the path this model runs."""
 
     def __init__(
         self,
@@ -72,13 +73,11 @@ class AttentionLayout:
         device: torch.device,
         native: bool,
         window: int = 0,
-        mixed: bool = False,
+        group: int = 0,
     ) -> None:
         self.block_size = block_size
-        # The reference path's masks: the model's sliding window (0: none), and with `mixed`
-        # (global layers beside windowed ones, as Gemma 3's) full-attention masks as well.
-        self.window = window
-        self.mixed = mixed and window > 0
+        self.window = window  # the group's sliding window (0: none)
+        self.group = group  # which of a SeqPlan's block tables
         self.scratch_block = scratch_block  # padding in block tables and for padded tokens
         self.dtype = dtype  # the model's (the reference path's masks)
         self.device = device
@@ -87,26 +86,28 @@ class AttentionLayout:
 
     def build(self, seqs: Sequence[SeqPlan], slot_mapping: torch.Tensor) -> AttentionMetadata:
         """`seqs` in flat order, decodes (one token) first."""
+        g, window = self.group, self.window
         if not self.native:
             args = (seqs, self.block_size, self.scratch_block, self.dtype, self.device)
-            ref = reference.build_reference_metadata(*args, self.workspace, self.window)
-            if not self.mixed:
-                return AttentionMetadata(slot_mapping, None, None, None, ref)
-            full = reference.build_reference_metadata(*args, self.workspace, 0)
-            return AttentionMetadata(slot_mapping, None, None, None, full, windowed=ref)
-        max_blocks = max((len(s.block_table) for s in seqs), default=0)
+            ref = reference.build_reference_metadata(*args, self.workspace, window, g)
+            return AttentionMetadata(slot_mapping, None, None, None, ref, window)
+        max_blocks = max((len(s.block_tables[g]) for s in seqs), default=0)
         pad = [0] * max_blocks  # never read: the kernel reads a sequence's first seq_len keys
-        tables = [s.block_table + pad[len(s.block_table) :] for s in seqs]
+        tables = [s.block_tables[g] + pad[len(s.block_tables[g]) :] for s in seqs]
         starts = [0]
         for s in seqs:
             starts.append(starts[-1] + len(s.token_ids))
         dev = self.device
+        table = torch.tensor(tables, dtype=torch.int32).view(len(seqs), max_blocks)
+        if window:  # freed blocks behind the window are never read, but must be ids
+            table.masked_fill_(table == NULL_BLOCK, self.scratch_block)
         return AttentionMetadata(
             slot_mapping,
-            torch.tensor(tables, dtype=torch.int32, device=dev).view(len(seqs), max_blocks),
+            table.to(dev),
             torch.tensor([s.start + len(s.token_ids) for s in seqs], dtype=torch.int32, device=dev),
             torch.tensor(starts, dtype=torch.int32, device=dev),
             None,
+            window,
         )
 
 
@@ -117,14 +118,12 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     scale: float,
-    window: int = 0,
 ) -> torch.Tensor:
-    """q [N, H, D], k and v [N, KVH, D] of this step's tokens; returns [N, H, D]. `window`
-    > 0: each query sees only its last `window` keys (the reference path's masks were built
-    with the layout's window, which must be this one)."""
+    """q [N, H, D], k and v [N, KVH, D] of this step's tokens; returns [N, H, D], each query
+    attending to its keys within `meta.window`."""
     k_cache, v_cache = kv_cache
     if meta.reference is not None:
-        ref = meta.windowed if window and meta.windowed is not None else meta.reference
+        ref = meta.reference
         return reference.paged_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, ref, scale)
     return torch.ops.quill.paged_attention(
         q,
@@ -137,5 +136,5 @@ def paged_attention(
         meta.seq_lens,
         meta.query_start_loc,
         scale,
-        window,
+        meta.window,
     )

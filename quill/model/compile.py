@@ -45,10 +45,11 @@ class BucketedForward:
     def padded_size(self, num_tokens: int) -> int:
         return next((b for b in self.buckets if b >= num_tokens), num_tokens)
 
-    def __call__(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]):
         # The layout's shapes change every step but only the opaque attention op reads them:
         # symbolic sizes keep them from triggering recompiles.
-        for holder in (meta, meta.reference, meta.windowed):
+        distinct = {id(m): m for m in metas}.values()
+        for holder in [*distinct, *(m.reference for m in distinct)]:
             if holder is None:
                 continue
             for field in fields(holder):
@@ -61,10 +62,10 @@ class BucketedForward:
             self.seen.add(n)
             log.info("compiling the model for %d tokens per step (once; cached on disk)", n)
             start = time.perf_counter()
-            out = self.compiled(input_ids, positions, kv_caches, meta)
+            out = self.compiled(input_ids, positions, kv_caches, metas)
             log.info("compiled %d-token step in %.1f s", n, time.perf_counter() - start)
             return out
-        return self.compiled(input_ids, positions, kv_caches, meta)
+        return self.compiled(input_ids, positions, kv_caches, metas)
 
 
 def compile_runner(runner, token_budget: int) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.contract.errors import ModelLoadError
+from quill.contract.kv_groups import KVGroups
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,11 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token per element byte (multiply by the dtype's size)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_groups(self) -> KVGroups:
+        """How the layers' KV caches share the block pool (their windows decide)."""
+        return KVGroups.of(self.layer_windows or [self.sliding_window or 0] * self.num_layers)
 
 
 def _refuse_what_is_not_modelled(arch: str, d: dict) -> None:

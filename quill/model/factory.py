@@ -15,6 +15,7 @@ import torch
 
 from quill.config import EngineConfig
 from quill.contract.errors import InvalidRequestError
+from quill.contract.kv_groups import peak_blocks
 from quill.frontend.tokenizer import Tokenizer
 from quill.model.config import ModelConfig, generation_config_eos_ids
 from quill.model.loader import (
@@ -80,15 +81,13 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         tokenizer.eos_token_ids if tokenizer is not None else (),
         kv_cache_dtype,
     )
-    num_blocks = _num_kv_blocks(config, runner, device, max_model_len, tp)
+    num_blocks = _num_kv_blocks(config, runner, device, max_model_len, budget, tp)
     runner.allocate_kv_cache(num_blocks)
     if config.compile:
         from quill.model.compile import compile_runner
 
         compile_runner(runner, budget)
-    _log_pool(
-        config.block_size, num_blocks, runner.kv_bytes_per_block(), kv_cache_dtype, max_model_len
-    )
+    _log_pool(config, runner, num_blocks, kv_cache_dtype, max_model_len, budget)
     return ModelExecutor(
         runner,
         tokenizer,
@@ -184,17 +183,24 @@ def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
 
 
 def _num_kv_blocks(
-    config: EngineConfig, runner: ModelRunner, device, max_model_len: int, tp=None
+    config: EngineConfig, runner: ModelRunner, device, max_model_len: int, budget: int, tp=None
 ) -> int:
     """Blocks in the pool: rank 0's count for every rank (the scheduler knows one pool)."""
     per_block = runner.kv_bytes_per_block()
     if tp is not None and device.type == "cpu":
         per_block *= tp.local_size  # the ranks on this host share its memory
-    num_blocks = _blocks_for(config, per_block, device, max_model_len)
+    per_seq = _blocks_per_seq(config, runner, max_model_len, budget)
+    num_blocks = _blocks_for(config, per_block, device, per_seq)
     return num_blocks if tp is None else tp.broadcast_int(num_blocks)
 
 
-def _blocks_for(config: EngineConfig, per_block: int, device, max_model_len: int) -> int:
+def _blocks_per_seq(config: EngineConfig, runner: ModelRunner, max_model_len: int, budget: int):
+    """The most blocks one sequence of full context holds at once, over its KV groups."""
+    windows = runner.kv_groups.group_windows
+    return peak_blocks(windows, max_model_len, min(budget, max_model_len), config.block_size)
+
+
+def _blocks_for(config: EngineConfig, per_block: int, device, blocks_per_seq: int) -> int:
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif device.type == "cuda":
@@ -202,7 +208,6 @@ def _blocks_for(config: EngineConfig, per_block: int, device, max_model_len: int
         budget = int(free * 0.85)
     else:
         budget = min(int(_available_memory() * 0.25), 4 << 30)
-    blocks_per_seq = -(-max_model_len // config.block_size)
     # No point holding more than every allowed sequence at full context.
     num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
     if num_blocks < 1:
@@ -213,16 +218,21 @@ def _blocks_for(config: EngineConfig, per_block: int, device, max_model_len: int
     return int(num_blocks)
 
 
-def _log_pool(block_size: int, num_blocks: int, per_block: int, dtype, max_model_len: int) -> None:
+def _log_pool(
+    config: EngineConfig, runner: ModelRunner, num_blocks: int, dtype, max_model_len: int, budget
+) -> None:
+    groups = runner.kv_groups
     log.info(
-        "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); "
+        "KV cache: %d blocks of %d tokens x %d layers (%.2f GiB, %s; %d KV groups, windows %s); "
         "%.1f sequences of full context (%d tokens) fit",
         num_blocks,
-        block_size,
-        num_blocks * block_size,
-        num_blocks * per_block / (1 << 30),
+        config.block_size,
+        groups.layers_per_block,
+        num_blocks * runner.kv_bytes_per_block() / (1 << 30),
         dtype,
-        num_blocks * block_size / max_model_len,
+        groups.num_groups,
+        sorted(set(groups.group_windows)),
+        num_blocks / _blocks_per_seq(config, runner, max_model_len, budget),
         max_model_len,
     )
 

@@ -68,7 +68,7 @@ class Gemma3DecoderLayer(nn.Module):
         k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
         q, k = fused.rope(q, k, cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
         o = self.post_attention_layernorm(self.o_proj(attn.view(n, self.q_size)))
         gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(o, residual))
         out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
@@ -96,7 +96,9 @@ class Gemma3ForCausalLM(llama.LlamaForCausalLM):
         self.register_buffer("local_cos_cache", emb.cos(), persistent=False)
         self.register_buffer("local_sin_cache", emb.sin(), persistent=False)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         ropes = {
@@ -107,7 +109,7 @@ class Gemma3ForCausalLM(llama.LlamaForCausalLM):
             ),
         }
         residual = torch.zeros_like(x)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             cos, sin = ropes[layer.window > 0]
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return residual.add_(x)

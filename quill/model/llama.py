@@ -9,6 +9,7 @@ The paged cache and the step's attention layout come in as arguments.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -138,7 +139,7 @@ class DecoderLayer(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         q, k = fused.rope(q, k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
         o = self.o_proj(attn.view(n, self.q_size))
         if self.tp is not None:
             self.tp.all_reduce(o)
@@ -282,14 +283,17 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
+        """`kv_caches` and `metas`: each layer's cache tensors and the metadata of its KV
+        group (the same for every layer of a model of one group)."""
         x = self.embed_tokens(input_ids)
         # Like the reference, rotary tables are computed in fp32 and rounded to the model's dtype.
         cos = self.cos_cache[positions].to(x.dtype)
         sin = self.sin_cache[positions].to(x.dtype)
         residual = torch.zeros_like(x)  # 0 + x is x: every layer adds into the residual
         stack = self._native_stack(kv_caches)
+        meta = metas[0]  # one group when the stack runs (none of its layers has a window)
         if stack is not None and x.shape[0] <= stack.max_rows and meta.reference is None:
             first = self.layers[0]
             x = torch.ops.quill.decoder_stack(
@@ -313,8 +317,8 @@ class LlamaForCausalLM(nn.Module):
                 first.scale,
             )
             return residual.add_(x)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, layer_meta)
         return residual.add_(x)
 
     def _native_stack(self, kv_caches: list) -> NativeStack | None:

@@ -58,9 +58,12 @@ class ModelRunner:
         self.block_size = block_size
         # The end ids let the sampler hold them back until a request's min_tokens.
         self.sampler = Sampler(device, seed, end_token_ids)
+        self.kv_groups = model.config.kv_groups
+        # Each layer's (keys, values): its slot's tensors (layers of different groups share a
+        # slot's tensors, each through its own group's blocks).
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.scratch_block = 0
-        self.layout: AttentionLayout | None = None  # set with the cache
+        self.layouts: list[AttentionLayout] = []  # one per KV group, set with the cache
         self.forward = model.forward  # replaced by a compiled wrapper when compiling
         self.padded_size = lambda num_tokens: num_tokens  # compiled steps pad to a bucket
         # Tensor-parallel ranks but the first run the layers only: sampling is rank 0's.
@@ -70,8 +73,10 @@ class ModelRunner:
         self.kv_fetcher = None
 
     def kv_bytes_per_block(self) -> int:
+        """A pool block's bytes: `layers_per_block` layers' keys and values."""
         elem = self.kv_cache_dtype.itemsize
-        return self.config.kv_bytes_per_token * self.block_size * elem
+        per_layer = self.config.kv_bytes_per_token // self.config.num_layers
+        return per_layer * self.kv_groups.layers_per_block * self.block_size * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
@@ -81,10 +86,12 @@ class ModelRunner:
         # Zeroed: masked-out keys still meet the values in P @ V, and 0 * NaN would poison it.
         # On huge pages: the blocks a step reads are scattered over the whole pool.
         dtype, dev = self.kv_cache_dtype, self.device
-        self.kv_caches = [
+        kv = self.kv_groups
+        slots = [
             (memory.zeros(k_shape, dtype, dev), memory.zeros(v_shape, dtype, dev))
-            for _ in range(c.num_layers)
+            for _ in range(kv.layers_per_block)
         ]
+        self.kv_caches = [slots[j] for j in kv.layer_slots]
         self.scratch_block = num_blocks
         why_not = native_supported(self.device, c.head_dim, self.block_size, self.kv_cache_dtype)
         if why_not is None:
@@ -96,41 +103,44 @@ class ModelRunner:
             )
         else:
             log.info("attention: PyTorch path (%s), %s KV cache", why_not, self.kv_cache_dtype)
-        self.layout = AttentionLayout(
-            self.block_size,
-            num_blocks,
-            self.dtype,
-            self.device,
-            native=why_not is None,
-            window=c.sliding_window or max(c.layer_windows or (0,)),
-            mixed=c.layer_windows is not None and 0 in c.layer_windows,
-        )
+        self.layouts = [
+            AttentionLayout(
+                self.block_size, num_blocks, self.dtype, self.device, why_not is None, window, g
+            )
+            for g, window in enumerate(kv.group_windows)
+        ]
 
     def _positions_and_slots(
         self, seqs: list[SeqPlan], single_positions: list[int], chunks: list[SeqPlan], padding: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's position and cache slot (block * block_size + offset): a one-query
-        row's from its one position, a chunk's by tensor arithmetic over its positions."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Each token's position, and its cache slot (block * block_size + offset) in each KV
+        group: a one-query row's from its one position, a chunk's by tensor arithmetic over
+        its positions."""
         bs = self.block_size
         singles = seqs[: len(single_positions)]
         positions = [torch.tensor(single_positions, dtype=torch.long)]
-        slots = [
-            torch.tensor(
-                [s.block_table[p // bs] * bs + p % bs for s, p in zip(singles, single_positions)],
-                dtype=torch.long,
-            )
-        ]
-        for s in chunks:
-            chunk_positions = torch.arange(s.start, s.start + len(s.token_ids))
-            table = torch.tensor(s.block_table, dtype=torch.long)
-            positions.append(chunk_positions)
-            slots.append(table[chunk_positions // bs] * bs + chunk_positions % bs)
+        chunk_positions = [torch.arange(s.start, s.start + len(s.token_ids)) for s in chunks]
+        positions.extend(chunk_positions)
         if padding:
             positions.append(torch.zeros(padding, dtype=torch.long))
-            slots.append(torch.full((padding,), self.scratch_block * bs, dtype=torch.long))
-        if len(positions) == 1:
-            return positions[0], slots[0]
-        return torch.cat(positions), torch.cat(slots)
+        group_slots = []
+        for g in range(self.kv_groups.num_groups):
+            slots = [
+                torch.tensor(
+                    [
+                        s.block_tables[g][p // bs] * bs + p % bs
+                        for s, p in zip(singles, single_positions)
+                    ],
+                    dtype=torch.long,
+                )
+            ]
+            for s, at in zip(chunks, chunk_positions):
+                table = torch.tensor(s.block_tables[g], dtype=torch.long)
+                slots.append(table[at // bs] * bs + at % bs)
+            if padding:
+                slots.append(torch.full((padding,), self.scratch_block * bs, dtype=torch.long))
+            group_slots.append(slots[0] if len(slots) == 1 else torch.cat(slots))
+        return (positions[0] if len(positions) == 1 else torch.cat(positions)), group_slots
 
     def execute(self, plan: StepPlan) -> StepResult:
         """The executor's one call: start the plan's KV fetches, `forward`, then `sample`;
@@ -175,10 +185,11 @@ class ModelRunner:
         input_ids.extend([0] * num_padding)
         pos, slots = self._positions_and_slots(seqs, single_positions, chunks, num_padding)
         dev = self.device
-        meta = self.layout.build(seqs, slots.to(dev))
+        metas = [layout.build(seqs, s.to(dev)) for layout, s in zip(self.layouts, slots)]
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = pos.to(dev)
-        hidden = self.forward(ids, pos, self.kv_caches, meta)
+        layer_metas = [metas[g] for g in self.kv_groups.layer_groups]
+        hidden = self.forward(ids, pos, self.kv_caches, layer_metas)
         if not sample_rows or not self.computes_logits:
             return ForwardOutput(None, [])
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)

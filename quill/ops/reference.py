@@ -158,15 +158,17 @@ def build_reference_metadata(
     device: torch.device,
     workspace: Workspace,
     window: int = 0,
+    group: int = 0,
 ) -> ReferenceMetadata:
-    """`seqs` in flat order, decodes (one token) first; `window` > 0: sliding window masks."""
+    """`seqs` in flat order, decodes (one token) first; `window` > 0: sliding window masks;
+    `group`: which of each sequence's block tables (its KV group's)."""
     decodes = [s for s in seqs if len(s.token_ids) == 1]
     chunks = seqs[len(decodes) :]
     decode_tables = decode_bias = None
     prefill_index = prefill_rows = prefill_tables = prefill_bias = None
     if decodes:
         decode_tables, decode_bias = _tables_and_bias(
-            decodes, 1, block_size, scratch_block, dtype, device, window
+            decodes, 1, block_size, scratch_block, dtype, device, window, group
         )
     if chunks:
         first = len(decodes)
@@ -181,7 +183,7 @@ def build_reference_metadata(
         prefill_rows = torch.tensor(rows, dtype=torch.long, device=device)
         if len(chunks) > 1 or chunks[0].start > 0 or 0 < window < max_q:
             prefill_tables, prefill_bias = _tables_and_bias(
-                chunks, max_q, block_size, scratch_block, dtype, device, window
+                chunks, max_q, block_size, scratch_block, dtype, device, window, group
             )
     return ReferenceMetadata(
         decode_tables,
@@ -202,16 +204,21 @@ def _tables_and_bias(
     dtype,
     device,
     window: int = 0,
+    group: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables padded with the scratch block, and the additive mask: query i of a
-    sequence sits at position start + i and sees keys up to it, and with a window only its
-    last `window` (padded queries repeat the last real one)."""
-    max_blocks = max(len(s.block_table) for s in seqs)
+    """Block tables padded with the scratch block (which also stands for the blocks freed
+    behind a window), and the additive mask: query i of a sequence sits at position start + i
+    and sees keys up to it, and with a window only its last `window` (padded queries repeat
+    the last real one)."""
+    max_blocks = max(len(s.block_tables[group]) for s in seqs)
+    pad = [scratch_block] * max_blocks
     tables = torch.tensor(
-        [s.block_table + [scratch_block] * (max_blocks - len(s.block_table)) for s in seqs],
+        [s.block_tables[group] + pad[len(s.block_tables[group]) :] for s in seqs],
         dtype=torch.long,
-        device=device,
     )
+    if window:
+        tables.masked_fill_(tables < 0, scratch_block)
+    tables = tables.to(device)
     starts = torch.tensor([s.start for s in seqs], dtype=torch.long, device=device)
     q_lens = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.long, device=device)
     query = torch.minimum(torch.arange(max_q, device=device)[None, :], (q_lens - 1)[:, None])

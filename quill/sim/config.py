@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from quill.contract.kv_groups import peak_blocks
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import PRESETS, ModelSpec
 from quill.cost.step import CostModel
@@ -24,7 +25,8 @@ DEFAULT_MAX_MODEL_LEN = 8192  # for models whose context length is unknown (abst
 
 @dataclass
 class SimConfig:
-    """Everything a replica needs; `num_blocks` is the KV pool size in blocks."""
+    """Everything a replica needs; `num_blocks` is the KV pool size in blocks (of the model's
+    `layers_per_block` layers each, quill/contract/kv_groups.py)."""
 
     cost: CostModel
     num_blocks: int
@@ -71,6 +73,7 @@ class SimConfig:
         max_model_len = min(max_model_len or context, context)
         capacity = cost.kv_capacity_tokens(MEMORY_FRACTION)  # raises if the weights do not fit
         kv_per_token = model.kv_bytes_per_token / tp
+        room = capacity * kv_per_token  # bytes per device (inf: nothing limits the pool)
         if kv_cache_memory is not None and kv_per_token > 0:
             stored = model.stored_bytes / tp
             if stored + kv_cache_memory > hardware.memory_capacity:
@@ -79,10 +82,14 @@ class SimConfig:
                     f"{stored / 1e9:.4g} GB per device exceed {hardware.name}'s "
                     f"{hardware.memory_capacity / 1e9:.4g} GB"
                 )
-            capacity = kv_cache_memory // kv_per_token
-        blocks_per_seq = -(-max_model_len // block_size)
+            room = kv_cache_memory
+        # A pool block holds `layers_per_block` of the layers (quill/contract/kv_groups.py).
+        groups = model.kv_groups
+        per_block = kv_per_token * block_size / groups.num_groups
+        chunk = min(max_num_batched_tokens or 8192, max_model_len)
+        blocks_per_seq = peak_blocks(groups.group_windows, max_model_len, chunk, block_size)
         cap = blocks_per_seq * max_num_seqs
-        num_blocks = cap if math.isinf(capacity) else min(int(capacity // block_size), cap)
+        num_blocks = cap if math.isinf(capacity) else min(int(room // per_block), cap)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV pool holds no block of {block_size} tokens "
@@ -101,7 +108,8 @@ class SimConfig:
 
     @property
     def kv_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """The pool's size in tokens of every layer's keys and values."""
+        return self.num_blocks * self.block_size // self.cost.model.kv_groups.num_groups
 
     def check_request(self, prompt_tokens: int, output_tokens: int) -> str | None:
         """Why a request of these lengths can never be served here, or None."""
@@ -110,7 +118,9 @@ class SimConfig:
                 f"{prompt_tokens} prompt + {output_tokens} output tokens exceed the model's "
                 f"context of {self.max_model_len} tokens"
             )
-        if -(-(prompt_tokens + 1) // self.block_size) > self.num_blocks:
+        windows = self.cost.model.kv_groups.group_windows
+        chunk = min(self.max_num_batched_tokens, prompt_tokens + 1)
+        if peak_blocks(windows, prompt_tokens + 1, chunk, self.block_size) > self.num_blocks:
             return (
                 f"a prompt of {prompt_tokens} tokens can never fit in the KV cache "
                 f"({self.kv_tokens} tokens)"

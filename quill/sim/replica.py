@@ -162,7 +162,12 @@ class Replica:
         self.clock = VirtualClock()
         self.executor = SimExecutor(config.cost, self.clock, config.fetch_shares_cores)
         self.tokens = PromptTokens() if tokens is None else tokens
-        kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        kv = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.cost.model.kv_groups.group_windows,
+        )
         scheduler = Scheduler(
             kv, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
         )
