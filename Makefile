@@ -48,7 +48,7 @@ serve: setup
 
 # The tests check every named model against transformers, so they install them first.
 test: setup models
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check quill tests benchmarks

@@ -19,6 +19,8 @@ as markdown tables; --plot draws tokens/s against batch size under a measured ro
     .venv/bin/python benchmarks/bench_engine.py [--quill-variants fp32,bf16,int8]
         [--llama-types f32,q8_0] [--skip-hf] [--skip-llama] [--json out.json] [--plot out.png]
     .venv/bin/python benchmarks/bench_engine.py --quick --quill-variants fp32   # smoke run
+    .venv/bin/python benchmarks/bench_engine.py --model gemma3-270m   # another model (a named
+        one, a GGUF file or a Hugging Face directory); llama.cpp runs a GGUF file as it is
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ from benchmarks.engine.peer_columns import HFColumn, LlamaColumn  # noqa: E402
 from benchmarks.engine.quill_column import QuillColumn, long_slack  # noqa: E402
 from benchmarks.engine.report import plot, print_tables  # noqa: E402
 from benchmarks.engine.variants import parse_variant  # noqa: E402
-from quill.model.config import ModelConfig  # noqa: E402
-from quill.model.default_model import default_model_dir  # noqa: E402
+from quill.config import EngineConfig  # noqa: E402
+from quill.model.factory import model_path_of  # noqa: E402
+from quill.model.loader import read_model_config  # noqa: E402
 
 
 def main() -> None:
@@ -61,7 +64,14 @@ def main() -> None:
         default="default",
         help="e.g. default,fp32,bf16,int8,bf16+int8 ('default': LLM() as a user gets it)",
     )
-    parser.add_argument("--llama-types", default="f32,q8_0", help="GGUF types: f32,bf16,q8_0,q4_1")
+    parser.add_argument(
+        "--model", default=None, help="named model, GGUF file or HF directory (default: SmolLM2)"
+    )
+    parser.add_argument(
+        "--llama-types",
+        default="f32,q8_0",
+        help="GGUF types of the default model: f32,bf16,q8_0,q4_1 (with --model: its GGUF file)",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--batches", default="1,4,16,64")
@@ -101,8 +111,8 @@ def main() -> None:
         + [b * (args.prompt_len + args.new_tokens) for b in batches]
         + [p + 16 for p in prompts]
     )
-    with open(default_model_dir() / "config.json") as f:
-        kv_per_token = ModelConfig.from_hf_dict(json.load(f)).kv_bytes_per_token
+    model_path = model_path_of(EngineConfig(model=args.model))
+    kv_per_token = read_model_config(model_path, "auto").kv_bytes_per_token
     quill_cols = []
     for v in variants:
         element = 2 if parse_variant(v).get("dtype") in ("bfloat16", "float16") else 4
@@ -110,16 +120,20 @@ def main() -> None:
             1 << 28, int(1.1 * kv_tokens * kv_per_token * element) + (64 << 20)
         )
         print(f"loading quill {v} (KV pool {kv_memory / 2**30:.2f} GiB)", flush=True)
-        quill_cols.append(QuillColumn(v, kv_memory, args.compile))
+        quill_cols.append(QuillColumn(v, kv_memory, args.compile, args.model))
     cfg = quill_cols[0].llm.engine.model_config
     hf_cols = []
     if not args.skip_hf:
         dtypes = [c.dtype for c in quill_cols if "quantization" not in c.options]
         for dtype in dict.fromkeys(dtypes or [quill_cols[0].dtype]):
-            hf_cols.append(HFColumn(dtype))
+            hf_cols.append(HFColumn(dtype, model_path))
     llama_cols = []
     llama_info = None
-    if not args.skip_llama:
+    if not args.skip_llama and args.model is not None:
+        if model_path.suffix != ".gguf":
+            raise SystemExit(f"llama.cpp needs a GGUF file, not {model_path} (or --skip-llama)")
+        llama_cols.append(LlamaColumn(model_path, args.threads, args.llama_reps))
+    elif not args.skip_llama:
         for t in llama_types:
             llama_cols.append(LlamaColumn(t, args.threads, args.llama_reps))
         if llama_cols:
@@ -138,7 +152,8 @@ def main() -> None:
         "settings": {
             k: getattr(args, k)
             for k in (
-                "quill_variants llama_types batches prompt_len new_tokens prompts long_context "
+                "model quill_variants llama_types batches prompt_len new_tokens prompts "
+                "long_context "
                 "long_batches long_new_tokens rounds llama_reps compile quick"
             ).split()
         },

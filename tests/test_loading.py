@@ -76,11 +76,14 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
             assert logprob == pytest.approx(first[token].item(), abs=1e-3), (kind, token)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "phi3", "gemma3"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_every_family_runs_quantized(tmp_path, kind, quantization):
-    """Each family's products in int8 and 4-bit: the float model's next token stays among
-    the quantized model's five likeliest, prompt after prompt (the experts stay float)."""
+    """Each family's products in int8 and 4-bit, the experts' too: every linear module of the
+    layers is swapped, and the float model's next token stays among the quantized model's five
+    likeliest, prompt after prompt."""
+    from quill.model.quant import QuantizedLinear
+
     _tiny_checkpoint(tmp_path, kind)
     prompts = [[5, 17, 300, 4000], list(range(100, 190)), [7] * 40]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
@@ -88,6 +91,15 @@ def test_every_family_runs_quantized(tmp_path, kind, quantization):
     for q in ("none", quantization):
         llm = LLM(str(tmp_path), dtype="float32", quantization=q, kv_cache_memory=16 << 20)
         runs[q] = llm.generate(prompts, params, use_tqdm=False)
+        if q != "none":
+            modules = list(llm.engine.runner.model.layers.modules())
+            assert not [m for m in modules if isinstance(m, torch.nn.Linear)]
+            assert sum(isinstance(m, QuantizedLinear) for m in modules) >= 4
+            for layer in llm.engine.runner.model.layers:
+                if getattr(layer, "sparse", False):  # every expert's two products
+                    experts = [*layer.experts.gate_up, *layer.experts.down]
+                    assert all(isinstance(m, QuantizedLinear) for m in experts)
+                    assert len(experts) == 2 * 8
         llm.close()
     for exact, quantized in zip(runs["none"], runs[quantization], strict=True):
         assert exact.outputs[0].token_ids[0] in quantized.outputs[0].logprobs[0]

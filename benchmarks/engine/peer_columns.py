@@ -9,11 +9,11 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from benchmarks.peers import llama_cpp
-from quill.model.default_model import default_model_dir
 
 from .variants import GGUF_CLASS, TORCH_CLASS, prompt_ids
 
@@ -23,13 +23,18 @@ from .variants import GGUF_CLASS, TORCH_CLASS, prompt_ids
 class HFColumn:
     kind = "hf"
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, model: Path):
+        """`model`: a Hugging Face directory, or a GGUF file (transformers dequantizes it)."""
         from transformers import AutoModelForCausalLM
 
         self.dtype = dtype
         self.precision = TORCH_CLASS.get(dtype, str(dtype))
         self.name = f"transformers-{self.precision}"
-        self.model = AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=dtype)
+        if model.suffix == ".gguf":
+            where = dict(pretrained_model_name_or_path=str(model.parent), gguf_file=model.name)
+        else:
+            where = dict(pretrained_model_name_or_path=str(model))
+        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
         self.model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # transformers 5 renamed past_key_values to cache (the old name warns, then goes).
@@ -107,9 +112,15 @@ class HFColumn:
 class LlamaColumn:
     kind = "llama"
 
-    def __init__(self, gguf_type: str, threads: int, repetitions: int):
+    def __init__(self, gguf: str | Path, threads: int, repetitions: int):
+        """`gguf`: one of the default model's GGUF types (f32, q8_0, ...), or a GGUF file."""
         self.lc = llama_cpp
-        self.model = self.lc.model_path(gguf_type)
+        if isinstance(gguf, Path):
+            self.model = gguf
+            gguf_type = gguf.stem.rsplit("-", 1)[-1].lower()  # gemma-3-270m-q4_k_m: q4_k_m
+        else:
+            self.model = self.lc.model_path(gguf)
+            gguf_type = gguf
         self.threads = threads
         self.repetitions = repetitions
         self.precision = GGUF_CLASS.get(gguf_type, gguf_type)

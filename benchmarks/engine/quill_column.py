@@ -38,9 +38,9 @@ def long_slack(batch: int, context: int, budget: int | None) -> int:
 class QuillColumn:
     kind = "quill"
 
-    def __init__(self, variant: str, kv_cache_memory: int, compile: bool):
+    def __init__(self, variant: str, kv_cache_memory: int, compile: bool, model: str | None):
         self.options = parse_variant(variant)
-        self.llm = LLM(kv_cache_memory=kv_cache_memory, compile=compile, **self.options)
+        self.llm = LLM(model, kv_cache_memory=kv_cache_memory, compile=compile, **self.options)
         engine = self.llm.engine
         self.dtype = engine.dtype
         quant = self.options.get("quantization")

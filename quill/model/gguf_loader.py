@@ -132,7 +132,7 @@ def gguf_quantized_blocks(reader, config: dict) -> Iterator[tuple[str, str, tupl
         name = _GLOBAL_TENSORS.get(t.name)
         parts = t.name.split(".")
         if name is None and len(parts) == 4 and parts[2] in _EXPERT_TENSORS:
-            continue  # experts stay float (quill/model/qwen3_moe.py)
+            continue  # stacked: quantized per expert from their floats instead
         if name is None:
             if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_tensors:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")

@@ -25,13 +25,11 @@ from quill.ops import fused
 
 
 class Target(NamedTuple):
-    """Where a checkpoint tensor goes: our parameter, and the rows it fills there (of expert
-    `expert` when the parameter stacks experts)."""
+    """Where a checkpoint tensor goes: our parameter, and the rows it fills there."""
 
     param: str
     offset: int
     rows: int
-    expert: int | None = None
 
 
 def weight_target(name: str, config: ModelConfig) -> Target | None:

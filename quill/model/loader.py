@@ -89,8 +89,6 @@ def load_weights(
         if target.param not in params:
             raise ModelLoadError(f"tensor {name!r} has no place in the model")
         param = params[target.param]
-        if target.expert is not None:  # one expert's slice of a stacked parameter
-            param = param[target.expert]
         expected = (target.rows, *param.shape[1:])
         if tuple(tensor.shape) != expected:
             raise ModelLoadError(
@@ -204,7 +202,7 @@ def _block_params(blocks, model: LlamaForCausalLM, config: ModelConfig) -> dict:
     parts: dict[str, list] = {}
     for name, kind, tensors in blocks:
         target = target_of(name, config)
-        if target is not None and target.expert is None:  # experts stay float
+        if target is not None:
             parts.setdefault(target.param, []).append((target.offset, kind, tensors))
     out = {}
     for param_name, pieces in parts.items():

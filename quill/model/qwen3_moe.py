@@ -2,9 +2,11 @@
 layer is a set of experts, `top_k` chosen per token by a router.
 
 The tokens are grouped by expert (sorted once, a product per expert over its tokens), not
-looped over: a step's cost is one pass over the experts its tokens chose. Routing follows
-Hugging Face's: softmax over all experts in fp32, the top k, renormalised when the config
-says so, rounded to the model's dtype before the experts' outputs are weighted and summed.
+looped over: a step's cost is one pass over the experts its tokens chose. Each expert's two
+projections are linear modules of their own, so that int8 / int4 swap them like any other.
+Routing follows Hugging Face's: softmax over all experts in fp32, the top k, renormalised when
+the config says so, rounded to the model's dtype before the experts' outputs are weighted and
+summed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from quill.model import llama
 from quill.model.config import ModelConfig
+from quill.model.linear import Linear
 from quill.model.llama import DecoderLayer, LlamaForCausalLM, Target, split_layer_name
 from quill.ops import fused
 
@@ -27,8 +30,9 @@ class SparseMoE(nn.Module):
         self.top_k = moe.top_k
         self.normalise = moe.normalise
         self.router = nn.Parameter(torch.empty(moe.num_experts, hidden))
-        self.gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden))
-        self.down = nn.Parameter(torch.empty(moe.num_experts, hidden, inter))
+        experts = range(moe.num_experts)
+        self.gate_up = nn.ModuleList(Linear(hidden, 2 * inter, bias=False) for _ in experts)
+        self.down = nn.ModuleList(Linear(inter, hidden, bias=False) for _ in experts)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         probs = F.linear(h, self.router).softmax(-1, dtype=torch.float)
@@ -46,8 +50,8 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 x = grouped[start : start + count]
-                gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
-                outputs.append(F.linear(fused.silu_mul(gate, up), self.down[expert]))
+                gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
+                outputs.append(self.down[expert](fused.silu_mul(gate, up)))
                 start += count
         y = torch.cat(outputs) * weights[order].unsqueeze(1)
         return torch.zeros_like(h).index_add_(0, tokens, y)
@@ -75,7 +79,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
 def weight_target(name: str, config: ModelConfig) -> Target | None:
     """Llama's names, plus a sparse layer's router (`mlp.gate`) and experts
-    (`mlp.experts.E.gate_proj` / `up_proj` / `down_proj`), stacked into one tensor each."""
+    (`mlp.experts.E.gate_proj` / `up_proj` / `down_proj`), gate and up merged per expert."""
     if ".mlp.gate." not in name and ".mlp.experts." not in name:
         return llama.weight_target(name, config)
     idx, kind, suffix = split_layer_name(name, config)
@@ -87,4 +91,4 @@ def weight_target(name: str, config: ModelConfig) -> Target | None:
     rows = {"gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
             "down_proj": ("down", 0, config.hidden_size)}[proj]  # fmt: skip
     assert suffix == "weight", name
-    return Target(prefix + rows[0], rows[1], rows[2], int(expert))
+    return Target(f"{prefix}{rows[0]}.{expert}.weight", rows[1], rows[2])
