@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from quill.contract.kv_groups import NULL_BLOCK, first_needed_block
 from quill.contract.plan import SeqPlan
 from quill.model.attention import AttentionLayout, native_supported, paged_attention
 from quill.ops import library
@@ -126,6 +127,14 @@ def random_step(
         scores = scores.masked_fill(~visible, float("-inf"))
         expected[row : row + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs)
         row += n
+    if window:  # the blocks behind every query's window freed, as a sliding KV group frees
+        for s in seqs:  # them, and taken by someone else: NaN where the kernel must not read
+            table = s.block_tables[0]
+            for i in range(first_needed_block(window, s.start, block_size)):
+                keys[table[i]] = values[table[i]] = float("nan")
+                new_keys[table[i]] = new_values[table[i]] = float("nan")
+                table[i] = NULL_BLOCK
+        k_cache, v_cache = to_cache(keys, values)
     return Step(
         q,
         k,

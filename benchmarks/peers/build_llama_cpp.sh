@@ -89,14 +89,27 @@ fi
 
 # --- 4. build ----------------------------------------------------------------------------------
 BUILD="$PEERS/build-$VERSION"
+# On a CPU with AMX, ggml's AMX matrix product crashed every prompt (SIGSEGV in
+# ggml_backend_amx_mul_mat, Q8_0 and Q4_K alike, on a Sapphire Rapids VM, 2026-12-03): there the
+# CPU backend is built for this CPU's other instruction sets (GGML_NATIVE off names them).
+ISA_FLAGS=()
+if grep -q -w amx_tile /proc/cpuinfo && [[ -z "${LLAMA_AMX:-}" ]]; then
+    BUILD="$PEERS/build-$VERSION-noamx"
+    ISA_FLAGS=(-DGGML_NATIVE=OFF)
+    has() { grep -q -w "$1" /proc/cpuinfo && echo ON || echo OFF; }
+    ISA_FLAGS+=(-DGGML_AVX="$(has avx)" -DGGML_AVX2="$(has avx2)" -DGGML_BMI2="$(has bmi2)")
+    ISA_FLAGS+=(-DGGML_FMA="$(has fma)" -DGGML_F16C="$(has f16c)" -DGGML_AVX512="$(has avx512f)")
+    ISA_FLAGS+=(-DGGML_AVX512_VBMI="$(has avx512vbmi)" -DGGML_AVX512_VNNI="$(has avx512_vnni)")
+    ISA_FLAGS+=(-DGGML_AVX512_BF16="$(has avx512_bf16)")
+fi
 if [[ ! -f "$BUILD/build.ninja" ]]; then
-    log "configuring $BUILD"
+    log "configuring $BUILD ${ISA_FLAGS[*]}"
     # LLAMA_USE_PREBUILT_UI=OFF: the server's web UI would be downloaded from a hub at build
     # time; the benchmarks only use the HTTP API.
     cmake -S "$LLAMA" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-        >"$PEERS/cmake-configure.log" 2>&1 || {
+        "${ISA_FLAGS[@]}" >"$PEERS/cmake-configure.log" 2>&1 || {
         tail -n 40 "$PEERS/cmake-configure.log" >&2
         exit 1
     }
@@ -171,7 +184,8 @@ cmp -s "$Q4" "$PEERS/models/smollm2-135m-q4_1.gguf" 2>/dev/null ||
     # GGML_AVX* switches are then unused, so the configure log's line says what was targeted.
     echo "ggml_cpu_backend=$(grep -o 'Adding CPU backend variant.*' "$PEERS/cmake-configure.log" | head -n 1 || true)"
     echo "cpu=$(grep -m 1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs || true)"
-    grep -E '^(GGML_NATIVE|GGML_OPENMP|GGML_LLAMAFILE|GGML_BLAS):' "$BUILD/CMakeCache.txt" || true
+    grep -E '^(GGML_NATIVE|GGML_OPENMP|GGML_LLAMAFILE|GGML_BLAS|GGML_AVX[A-Z0-9_]*|GGML_AMX[A-Z_]*):' \
+        "$BUILD/CMakeCache.txt" || true
 } >"$PEERS/BUILD_INFO"
 log "done in $(($(date +%s) - START)) s: binaries in $PEERS/bin, models in $PEERS/models"
 ls -la "$PEERS/bin" "$PEERS/models" >&2
