@@ -58,5 +58,9 @@ def named_model_path(name: str) -> Path:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from quill.frontend.tokenizer import Tokenizer
+
     for name in sys.argv[1:] or NAMED_MODELS:
-        print(named_model_path(name))
+        path = named_model_path(name)
+        Tokenizer.load(path)  # built once now, not at the first start
+        print(path)
