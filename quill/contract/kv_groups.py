@@ -72,11 +72,6 @@ class KVGroups:
     def layers_per_block(self) -> int:
         return self.num_layers // self.num_groups
 
-    @property
-    def frees_blocks(self) -> bool:
-        """Some group has a window: its blocks behind the window are freed."""
-        return any(self.group_windows)
-
 
 def first_needed_block(window: int, position: int, block_size: int) -> int:
     """A group of this window's first block that a query at `position` or after reads."""
