@@ -142,6 +142,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/console/state")
+    async def console_state() -> dict:
+        """What the console page draws (quill/server/console.py)."""
+        return ctx.metrics.console.snapshot(time.monotonic())
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": quill.__version__}

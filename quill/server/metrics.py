@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from quill.contract.messages import KVTransferStats, StepStats, StructuredStats
 from quill.contract.outputs import RequestOutput
+from quill.server.console import ConsoleState
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -61,6 +62,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.console = ConsoleState()  # the last minute, for the console page
         labels = ["model_name"]
         r = self.registry
 
@@ -230,6 +232,7 @@ class ServerMetrics:
         self, outputs: Iterable[RequestOutput], stats: StepStats | None, now: float
     ) -> None:
         """Record one step's outputs, and its stats when it ran a model pass."""
+        self.console.on_step(outputs, stats, now)
         if stats is not None:
             self._on_stats(stats)
         produced = 0
