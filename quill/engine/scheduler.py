@@ -85,11 +85,11 @@ class Scheduler:
     def check_request(self, request: Request) -> None:
         """Raise InvalidRequestError if the request can never be served here."""
         num_tokens = request.num_prompt_tokens + 1
-        if not self.kv.can_ever_fit(num_tokens, min(num_tokens, self.token_budget)):
+        needed = self.kv.peak_blocks(num_tokens, min(num_tokens, self.token_budget))
+        if needed > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"prompt of {request.num_prompt_tokens} tokens can never fit in the KV cache "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens, "
-                f"{self.kv.peak_blocks(num_tokens)} needed)",
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens, {needed} needed)",
                 param="prompt",
             )
         if request.remote_kv is not None and self.kv.num_groups > 1:

@@ -1,9 +1,9 @@
 """The model's tokenizer: encoding, decoding and the chat template.
 
 A GGUF file's tokenizer is built by transformers from the file's vocabulary, which for a large
-vocabulary is slow (Gemma 3's 262,144 tokens: 21 s of a 45 s start, paid again by the server's
-front end), so it is built once and kept under `$QUILL_CACHE/tokenizers`, named by the file's
-path, size and modification time.
+vocabulary is slow (Gemma 3's 262,144 tokens: about 12 s of a 27 s start, paid again by the
+server's front end), so it is built once and kept under `$QUILL_CACHE/tokenizers`, named by the
+file's path, size and modification time.
 """
 
 from __future__ import annotations

@@ -59,28 +59,25 @@ class ConsoleState:
         self.output_tokens: deque[tuple[float, int]] = deque()  # (when, tokens that step)
         self.steps: deque[dict] = deque(maxlen=MAX_STEPS)
         self.requests: deque[dict] = deque(maxlen=MAX_REQUESTS)
-        self._last_token: dict[str, float] = {}
         self.last_stats: StepStats | None = None
         self.num_preemptions = 0
         self.num_finished = 0
 
     def on_step(
-        self, outputs: Iterable[RequestOutput], stats: StepStats | None, now: float
+        self,
+        stats: StepStats | None,
+        now: float,
+        gaps: Iterable[float],
+        tokens: int,
+        finished: Iterable[RequestOutput],
     ) -> None:
-        produced = 0
-        for out in outputs:
-            new = len(out.outputs[0].delta_token_ids)
-            if new:
-                produced += new
-                last = self._last_token.get(out.request_id)
-                if last is not None:
-                    self.itl.append((now, now - last))
-                self._last_token[out.request_id] = now
-            if out.finished:
-                self._last_token.pop(out.request_id, None)
-                self._on_finished(out, now)
-        if produced:
-            self.output_tokens.append((now, produced))
+        """One step as ServerMetrics saw it: its inter-token gaps, the tokens it produced, the
+        requests it finished."""
+        self.itl.extend((now, gap) for gap in gaps)
+        if tokens:
+            self.output_tokens.append((now, tokens))
+        for out in finished:
+            self._on_finished(out, now)
         if stats is not None:
             self.last_stats = stats
             self.num_preemptions += stats.num_preemptions

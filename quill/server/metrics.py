@@ -232,22 +232,28 @@ class ServerMetrics:
         self, outputs: Iterable[RequestOutput], stats: StepStats | None, now: float
     ) -> None:
         """Record one step's outputs, and its stats when it ran a model pass."""
-        self.console.on_step(outputs, stats, now)
         if stats is not None:
             self._on_stats(stats)
-        produced = 0
+        produced = tokens = 0
+        gaps: list[float] = []
+        finished: list[RequestOutput] = []
         for out in outputs:
-            if out.outputs[0].delta_token_ids:
+            new = len(out.outputs[0].delta_token_ids)
+            if new:
                 produced += 1
+                tokens += new
                 last = self._last_token.get(out.request_id)
                 if last is not None:
                     self.itl.observe(now - last)
+                    gaps.append(now - last)
                 self._last_token[out.request_id] = now
             if out.finished:
                 self._last_token.pop(out.request_id, None)
                 self._on_finished(out)
+                finished.append(out)
         if produced:
             self.batch_size.observe(produced)
+        self.console.on_step(stats, now, gaps, tokens, finished)
 
     def _on_stats(self, stats: StepStats) -> None:
         prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits)
