@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup models serve test lint bench clean
+.PHONY: setup models browser serve test lint bench clean
 
 setup: $(STAMP)
 	# Native kernels, one library per instruction set this CPU runs, compiled once per source
@@ -46,8 +46,22 @@ $(MODELS_STAMP): $(STAMP) Makefile
 serve: setup
 	$(VENV)/bin/quill serve
 
+# The console's tests drive Debian's chromium through Playwright (the Python package is in
+# requirements.txt; the browser is the system's). Installed here when missing and this user may
+# (root, or sudo without a password); otherwise those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	  else echo "browser: chromium is not installed and this user cannot install it; the" \
+	    "console's browser tests will skip (apt-get install chromium)"; exit 0; fi; \
+	  echo "browser: installing Debian's chromium for the console's tests (once)"; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    chromium >/dev/null || { $$SUDO apt-get update -q >/dev/null && \
+	    DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    chromium >/dev/null; } || echo "browser: could not install chromium; those tests will skip"; }
+
 # The tests check every named model against transformers, so they install them first.
-test: setup models
+test: setup models browser
 	$(PY) -m pytest -q --durations=15
 
 lint: setup

@@ -13,11 +13,17 @@ one after another over one keep-alive connection, timestamping every chunk (one 
 A third offline side, "bare", runs with the step observers off (`--no-predict-ttft
 --no-cost-accounting`): its ratio to "offline" is what the observers cost a step (`--no-bare`
 leaves it out). At each level the sides take turns round after round, each keeping its best
-round. Usage:
+round.
+
+`--console` (issue 23) instead runs one server three ways a round, alternating: the console
+closed; "polled" (its JSON fetched at the page's pace by a thread here: the server's share);
+and open in headless chromium (benchmarks/console_browser.py, on this same machine, so the
+browser's own CPU counts too). It reports tokens/s and ITL against closed, the page's time to
+its first draw and how often it redrew while the traffic ran. Usage:
 
     .venv/bin/python benchmarks/bench_server.py [--levels 1,4,16,64] [--max-tokens 64]
         [--prompt-tokens 32] [--rounds 2] [--api-cores shared,own] [--no-bare]
-        [--json out.json]
+        [--console] [--json out.json]
 """
 
 from __future__ import annotations
@@ -73,10 +79,10 @@ def run_offline(llm: LLM, clients: int, prompts: list[list[int]], max_tokens: in
     }
 
 
-def start_server(api_core: str) -> tuple[subprocess.Popen, str]:
+def start_server(api_core: str, extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable, "-m", "quill.cli", "serve", "--port", "0", "--no-access-log",
-        "--log-level", "warning", "--api-core", api_core,
+        "--log-level", "warning", "--api-core", api_core, *(extra or []),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "QUILL_API_KEY"}
     proc = subprocess.Popen(
@@ -181,6 +187,101 @@ async def run_clients(url: str, clients: int, prompts: list[list[int]], max_toke
     }
 
 
+class _OpenConsole:
+    """The console held open in a browser of its own (a child process) for one run."""
+
+    def __init__(self, url: str) -> None:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "console_browser.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit("the console browser did not start")
+        self.ready_s = json.loads(line)["ready_s"]
+        time.sleep(2.0)  # a page the operator has had open a while, not one still starting
+
+    def close(self) -> dict:
+        out, _ = self.proc.communicate("", timeout=60)
+        seen = json.loads(out.strip().splitlines()[-1])
+        return {"ready_s": self.ready_s, "redraws_per_s": seen["updates"] / seen["seconds"]}
+
+
+class _Poller:
+    """The page's requests without the page: /console/state fetched at the page's pace by a
+    thread, so that the server's share of the console's cost shows apart from the browser's."""
+
+    def __init__(self, url: str, interval: float = 0.75) -> None:
+        import http.client
+
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        self.interval, self.polls = interval, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            started = time.perf_counter()
+            self.conn.request("GET", "/console/state")
+            self.conn.getresponse().read()
+            self.polls += 1
+            self.stop.wait(max(0.0, self.interval - (time.perf_counter() - started)))
+
+    def close(self) -> dict:
+        self.stop.set()
+        self.thread.join(30)
+        self.conn.close()
+        return {"polls": self.polls}
+
+
+CONSOLE_SIDES = ("closed", "polled", "open")
+
+
+def run_console(args, levels: list[int], url: str) -> dict:
+    """Console closed, polled and open on one server, alternating sides round after round."""
+    results: dict = {"levels": {}}
+    for clients in levels:
+        n = max(4, 2 * clients)
+        prompts = [prompt_ids(args.prompt_tokens, clients * 1000 + i) for i in range(n)]
+        runs: dict[str, list[dict]] = {side: [] for side in CONSOLE_SIDES}
+        for r in range(args.rounds):
+            k = r % len(CONSOLE_SIDES)
+            for side in CONSOLE_SIDES[k:] + CONSOLE_SIDES[:k]:
+                page = {"open": _OpenConsole, "polled": _Poller}.get(side, lambda _: None)(url)
+                run = asyncio.run(run_clients(url, clients, prompts, args.max_tokens))
+                if page is not None:
+                    run.update(page.close())
+                runs[side].append(run)
+                print(f"{clients} streams, round {r}, console {side}: {run}", flush=True)
+        best = {side: max(rs, key=lambda x: x["tokens_per_s"]) for side, rs in runs.items()}
+        results["levels"][clients] = {"best": best, "rounds": runs}
+    return results
+
+
+def print_console(results: dict) -> None:
+    print("| streams | closed: tok/s, ITL p50 | polled / closed: tok/s, ITL | open / closed: "
+          "tok/s, ITL | page ready (worst) | redraws/s (fewest) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for clients, level in results["levels"].items():
+        c = level["best"]["closed"]
+
+        def ratio(side: str, level=level, c=c) -> str:
+            s = level["best"][side]
+            return (
+                f"{s['tokens_per_s'] / c['tokens_per_s']:.3f}, "
+                f"{s['itl_p50_ms'] / c['itl_p50_ms']:.3f}"
+            )
+
+        opened = level["rounds"]["open"]
+        print(
+            f"| {clients} | {c['tokens_per_s']:.1f}, {c['itl_p50_ms']:.1f} ms | {ratio('polled')} "
+            f"| {ratio('open')} | {1000 * max(r['ready_s'] for r in opened):.0f} ms | "
+            f"{min(r['redraws_per_s'] for r in opened):.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--levels", default="1,4,16,64")
@@ -194,10 +295,25 @@ def main() -> None:
         default=True,
         help="also run the offline engine with the step observers off",
     )
+    parser.add_argument(
+        "--console", action="store_true", help="console open in a browser against closed"
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     variants = args.api_cores.split(",")
+    if args.console:
+        proc, url = start_server(variants[0])
+        try:
+            warm = [prompt_ids(args.prompt_tokens, 10_000 + i) for i in range(8)]
+            asyncio.run(run_clients(url, 8, warm, 4))
+            results = run_console(args, levels, url)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        _finish(results, args)
+        print_console(results)
+        return
 
     engines = {"offline": LLM()}
     if args.bare:
@@ -231,16 +347,7 @@ def main() -> None:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
-    info = machine_info(torch.get_num_threads())
-    results.update(
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        machine=f"{info['cpu']} ({' '.join(info['cpu_flags'])}), {os.cpu_count()} cpus, "
-        f"torch {torch.__version__}",
-        machine_info=info,
-        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-        config=vars(args),
-    )
-    print(f"\n{results['machine']}, {results['date']}\n`{results['command']}`\n")
+    _finish(results, args)
     print(f"best of {args.rounds} alternating rounds; engine defaults (as `quill serve` starts)\n")
     head = " | ".join(f"{v}: tok/s (% offline), ITL p50, TTFT p50" for v in variants)
     bare_head = " bare: tok/s (% offline) |" if args.bare else ""
@@ -263,6 +370,20 @@ def main() -> None:
         print(
             f"| {clients} | {off['tokens_per_s']:.1f}, {step:.1f} ms | " + " | ".join(cells) + " |"
         )
+
+
+def _finish(results: dict, args) -> None:
+    """The machine, date and command beside the figures; written to --json if asked."""
+    info = machine_info(torch.get_num_threads())
+    results.update(
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        machine=f"{info['cpu']} ({' '.join(info['cpu_flags'])}), {os.cpu_count()} cpus, "
+        f"torch {torch.__version__}",
+        machine_info=info,
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+        config=vars(args),
+    )
+    print(f"\n{results['machine']}, {results['date']}\n`{results['command']}`\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

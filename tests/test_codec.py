@@ -114,7 +114,7 @@ updates = st.builds(
     stop_reason=st.none() | st.integers(0, 1 << 17) | st.text(max_size=5),
     error=st.none() | st.text(max_size=20),
 )
-prices = st.builds(StepPrice, times, times, times, times, times)
+prices = st.builds(StepPrice, *[times] * 7, st.none() | times)
 stats = st.builds(
     StepStats,
     *[st.integers(0, 1 << 20)] * 5,
@@ -139,7 +139,8 @@ messages = st.one_of(
               st.none() | st.dictionaries(st.text(), st.integers(0, 1 << 30) | times),
               st.none() | st.text()),
     st.builds(EngineInfo, st.text(), st.text(), tokens, st.integers(1, 1 << 20),
-              st.integers(1, 1 << 20), st.integers(1, 1 << 30), st.integers(0, 1 << 22)),
+              st.integers(1, 1 << 20), st.integers(1, 1 << 30), st.integers(0, 1 << 22),
+              st.none() | st.text(), st.none() | times),
     st.builds(EngineFailed, st.text(), st.booleans()),
 )  # fmt: skip
 

@@ -87,6 +87,17 @@ def test_shares_add_up_to_the_step_and_split_the_weights():
     assert accountant.last.roofline_efficiency == pytest.approx(step.roofline_s / 0.5)
 
 
+def test_a_price_without_a_hardware_spec_charges_the_measured_seconds_by_bytes():
+    model = ModelSpec.preset("SmolLM2-135M")
+    accountant = CostAccountant(model, None, price_per_hour=7200.0)  # $2 a second
+    accountant.on_step(_plan(), 1.0, 1.25)
+    charges = accountant.charges
+    assert accountant.last is None  # no roofline without a spec
+    assert sum(c.cost_usd for c in charges.values()) == pytest.approx(0.5)
+    moved = sum(c.bytes_moved for c in charges.values())
+    assert charges["b"].cost_usd == pytest.approx(0.5 * charges["b"].bytes_moved / moved)
+
+
 def test_saved_calibration_is_found_by_dtype(tmp_path):
     spec = HardwareSpec("this-cpu", {"float32": 1e11}, 1e10, 8e9)
     spec.save(tmp_path / "cpu-float32.json")

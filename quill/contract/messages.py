@@ -98,6 +98,11 @@ class StepPrice:
     roofline_efficiency: float
     mfu: float
     mbu: float
+    # The two floors of the roofline: the step's FLOPs at peak arithmetic, its bytes at peak
+    # bandwidth (the console draws both beside the measured time).
+    arithmetic_s: float = 0.0
+    movement_s: float = 0.0
+    cost_usd: float | None = None  # the measured seconds at the configured price, if any
 
 
 @dataclass
@@ -179,6 +184,8 @@ class EngineInfo:
     max_model_len: int
     num_kv_tokens: int
     pid: int = 0
+    hardware_name: str | None = None  # the spec the cost model prices steps on, if any
+    price_per_hour: float | None = None  # USD, when requests are priced
 
 
 @dataclass

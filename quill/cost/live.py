@@ -52,14 +52,15 @@ class CostAccountant:
         cost_model: CostModel | None = None,
         price_per_hour: float | None = None,
     ) -> None:
-        # Without a hardware spec, FLOPs and bytes (the model's alone) are still charged; only
-        # times, efficiency and dollars need one.
+        # Without a hardware spec, FLOPs and bytes (the model's alone) are still charged, and
+        # with a price, dollars (the measured seconds, split by bytes); only the roofline's
+        # times and efficiency need one.
         self.model = model
         self.cost_model = cost_model
         hardware = cost_model.hardware if cost_model else None
         if price_per_hour is None and hardware is not None:
             price_per_hour = hardware.price_per_hour
-        self.price_per_second = (price_per_hour or 0.0) / 3600 if cost_model else 0.0
+        self.price_per_second = (price_per_hour or 0.0) / 3600
         self.charges: dict[str, RequestCost] = {}
         self.last: PricedStep | None = None
 

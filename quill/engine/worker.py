@@ -125,6 +125,11 @@ class EngineWorker:
             num_kv_tokens=built.num_blocks * config.block_size,
             pid=os.getpid(),
         )
+        accountant = self.accountant
+        if accountant is not None and accountant.cost_model is not None:
+            self.info.hardware_name = accountant.cost_model.hardware.name
+        if accountant is not None and accountant.has_price:
+            self.info.price_per_hour = accountant.price_per_second * 3600
 
     @property
     def scheduler(self) -> Scheduler:
@@ -203,12 +208,17 @@ class EngineWorker:
             priced = self.accountant.last  # priced by its on_step, which ran with this step
             if priced is not None:
                 mfu, mbu = self.accountant.utilization(priced)
+                accountant = self.accountant
+                usd = priced.measured_s * accountant.price_per_second
                 stats.price = StepPrice(
                     priced.cost.predicted_s,
                     priced.measured_s,
                     priced.roofline_efficiency,
                     mfu,
                     mbu,
+                    priced.cost.arithmetic_s,
+                    priced.cost.movement_s,
+                    usd if accountant.has_price else None,
                 )
         if fetcher is not None and (
             self.kv_server is not None or fetcher.links or fetcher.num_failed

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 import quill
 from quill.server.chat import create_chat_completion, encode_chat
 from quill.server.completions import create_completion
+from quill.server.console.routes import install_console, login_page
 from quill.server.constraints import CONSTRAINT_FIELDS
 from quill.server.context import ServerContext
 from quill.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
@@ -78,7 +79,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
         max_request_bytes=ctx.max_request_bytes,
         body_timeout=ctx.request_body_timeout,
         metrics_require_key=ctx.metrics_require_key,
+        pages=login_page if ctx.console else None,
     )
+    if ctx.console:
+        install_console(app, ctx)
     note_ignored = _IgnoredFieldLog()
 
     async def parse(request: Request, schema: type[BaseModel]):
@@ -141,11 +145,6 @@ def build_app(ctx: ServerContext) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/console/state")
-    async def console_state() -> dict:
-        """What the console page draws (quill/server/console.py)."""
-        return ctx.metrics.console.snapshot(time.monotonic())
 
     @app.get("/version")
     async def version() -> dict:

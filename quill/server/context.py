@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.engine_client import EngineClient
@@ -30,6 +31,9 @@ class ServerContext:
     # requests only), and how long a prefill instance keeps a prompt's KV for its decode one.
     role: str = "both"
     kv_lease_s: float = 30.0
+    # The console page (quill/server/console) and the directories whose figures it links.
+    console: bool = True
+    console_figures: list[Path] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -1,7 +1,9 @@
 """The door: what every HTTP request must pass before any route parses it.
 
 One ASGI layer, outermost, so that no route can forget a check:
-- the API key, on every path but /health and (unless asked) /metrics;
+- the API key, on every path but /health, the console's sign-in and (unless asked) /metrics:
+  as a Bearer header, or as the console's cookie (quill/server/console/routes.py); a page
+  opened without it gets the sign-in page;
 - the body's media type: JSON, or none given (curl without -H). Anything else is a 415; this
   also keeps a web page from posting a "simple" text/plain request to a server on localhost,
   which a browser would send without asking;
@@ -20,9 +22,11 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from http.cookies import CookieError, SimpleCookie
 
-from starlette.responses import JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from quill.server.console.routes import COOKIE, LOGIN_PATH, PAGE_PATHS, cookie_token
 from quill.server.errors import error_body
 
 log = logging.getLogger(__name__)
@@ -63,10 +67,16 @@ class RequestGuard:
         max_request_bytes: int,
         body_timeout: float,
         metrics_require_key: bool = False,
+        pages: Callable[[], bytes] | None = None,
     ) -> None:
         self.app = app
         self.expected_key = _digest(f"Bearer {api_key}") if api_key else None
-        self.open_paths = {"/health"} | (set() if metrics_require_key else {"/metrics"})
+        self.expected_cookie = _digest(cookie_token(api_key)) if api_key else None
+        self.cookie_name = COOKIE
+        self.open_paths = {"/health", LOGIN_PATH} | (set() if metrics_require_key else {"/metrics"})
+        # Pages a browser opens get the sign-in page instead of a JSON 401.
+        self.page_paths = PAGE_PATHS if pages is not None else frozenset()
+        self.login_page = pages
         self.max_request_bytes = max_request_bytes
         self.body_timeout = body_timeout
 
@@ -93,11 +103,26 @@ class RequestGuard:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def _refusal(self, scope, headers: dict[str, str]) -> JSONResponse | None:
+    def _has_key(self, headers: dict[str, str]) -> bool:
+        # Digests compare in constant time and do not leak the key's length either.
+        given = _digest(headers.get("authorization", ""))
+        if hmac.compare_digest(given, self.expected_key):
+            return True
+        cookie = SimpleCookie()
+        try:
+            cookie.load(headers.get("cookie", ""))
+        except CookieError:
+            return False
+        morsel = cookie.get(self.cookie_name)
+        return morsel is not None and hmac.compare_digest(
+            _digest(morsel.value), self.expected_cookie
+        )
+
+    def _refusal(self, scope, headers: dict[str, str]) -> Response | None:
         if self.expected_key is not None and scope["path"] not in self.open_paths:
-            # Digests compare in constant time and do not leak the key's length either.
-            given = _digest(headers.get("authorization", ""))
-            if not hmac.compare_digest(given, self.expected_key):
+            if not self._has_key(headers):
+                if scope["path"] in self.page_paths and scope["method"] == "GET":
+                    return HTMLResponse(self.login_page(), status_code=401)
                 return _error(
                     401,
                     "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
@@ -120,7 +145,7 @@ class RequestGuard:
                 return self._too_large()
         return None
 
-    def _too_large(self) -> JSONResponse:
+    def _too_large(self) -> Response:
         return _error(
             413,
             f"The request body is larger than this server accepts ({self.max_request_bytes} "

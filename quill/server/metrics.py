@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from quill.contract.messages import KVTransferStats, StepStats, StructuredStats
 from quill.contract.outputs import RequestOutput
-from quill.server.console import ConsoleState
+from quill.server.console.state import ConsoleState
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,

@@ -16,12 +16,14 @@ import contextlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 import uvicorn
 
 from quill.distributed.ports import free_port
 from quill.engine_args import add_engine_arguments, engine_options, parse_bytes
 from quill.server.app import build_app
+from quill.server.console.routes import DEFAULT_FIGURE_DIRS
 from quill.server.context import ServerContext
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("QUILL_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-        "(default: $QUILL_API_KEY)",
+        "(the console page asks for it once; default: $QUILL_API_KEY)",
     )
     parser.add_argument(
         "--max-queued-requests",
@@ -75,6 +77,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-api-docs",
         action="store_true",
         help="serve /docs and /openapi.json (off by default; they need the key like every route)",
+    )
+    parser.add_argument(
+        "--no-console",
+        dest="console",
+        action="store_false",
+        help="do not serve the console page at / and /console (nor /console/*)",
+    )
+    parser.add_argument(
+        "--console-figures",
+        metavar="DIR",
+        action="append",
+        type=Path,
+        default=None,
+        help="a directory of figures the console links, e.g. `quill bench serve --plot DIR`'s "
+        "(repeatable; default: docs/figures/experiments, `quill bench experiments`' own)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -184,8 +201,6 @@ class QuillServer(uvicorn.Server):
 
 def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer:
     """Load the engine (slow) and wrap it in an app and a server; nothing is bound yet."""
-    from pathlib import Path
-
     from quill.config import EngineConfig
     from quill.server.engine_client import EngineClient
     from quill.server.metrics import ServerMetrics
@@ -212,6 +227,8 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         enable_api_docs=args.enable_api_docs,
         role=args.role,
         kv_lease_s=args.kv_lease,
+        console=args.console,
+        console_figures=args.console_figures or list(DEFAULT_FIGURE_DIRS),
     )
     config = uvicorn.Config(
         build_app(ctx),
