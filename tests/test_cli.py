@@ -7,7 +7,12 @@ import sys
 
 from quill import SamplingParams
 
-ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB"]
+# The exact path, as tests/conftest.py's `llm` runs it: `auto` would choose by what measures
+# fastest on this CPU (int8 weights, a 16-bit cache on some), and the texts would differ.
+ENGINE_FLAGS = [
+    "--dtype", "float32", "--kv-cache-dtype", "float32", "--quantization", "none",
+    "--kv-cache-memory", "64MiB",
+]  # fmt: skip
 
 
 def run_cli(args: list[str], stdin: str = "") -> str:

@@ -173,6 +173,8 @@ class QuillServer(uvicorn.Server):
         if self.announce:
             names = ", ".join(self.ctx.served_model_names)
             print(f"quill: serving {names} at {self.base_url} (OpenAI API: {self.base_url}/v1)")
+            if self.ctx.console:
+                print(f"quill: console at {self.base_url}/ (open it in a browser)")
             print("quill: ready (Ctrl-C to stop)", flush=True)
 
     def request_shutdown(self) -> None:

@@ -268,11 +268,16 @@ const DRAW = {
   latency: (state) => { latency("ttft", state.ttft); latency("itl", state.itl); },
   steps: (state) => stepCharts(state.steps),
   series: (state) => seriesCharts(state.series),
-  requests: (state) => fillRows($("requests"), state.requests.map((r) => [
+  requests: (state) => changed($("requests"), requestsKey(state)) && fillRows($("requests"),
+    state.requests.slice(0, REQUESTS_SHOWN).map((r) => [
     clock(r.finished_at), shortId(r.request_id), r.finish_reason, count(r.prompt_tokens),
     count(r.cached_tokens), count(r.output_tokens), seconds(r.ttft_s), seconds(r.mean_itl_s),
     seconds(r.e2e_s), si(r.flops, "FLOP"), si(r.bytes, "B"), usd(r.cost_usd)])),
 };
+const REQUESTS_SHOWN = 20; // of the 50 the state holds
+function requestsKey(state) {
+  return state.requests.length ? `${state.requests[0].request_id}:${state.finished_requests}` : "";
+}
 const visible = new Set();
 let lastState = null;
 
@@ -316,10 +321,12 @@ function render(state) {
   }
 }
 
-function setConnection(state, text) {
-  const el = $("connection");
-  el.dataset.state = state;
-  el.textContent = text;
+// The status region is announced by screen readers: only its changes (live, not updating)
+// go there; the time of the last update goes beside it.
+function setConnection(state, text, updated = "") {
+  $("connection").dataset.state = state;
+  setText("connection", text);
+  setText("updated", updated);
 }
 
 async function poll() {
@@ -330,7 +337,7 @@ async function poll() {
       if (response.status === 401) { location.reload(); return; }
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       render(await response.json());
-      setConnection("live", `live: updated ${new Date().toLocaleTimeString("en-GB")}`);
+      setConnection("live", "live", `updated ${new Date().toLocaleTimeString("en-GB")}`);
     } catch (e) {
       setConnection("stale", `not updating: ${e.message}`);
     }
@@ -405,6 +412,7 @@ async function send(event) {
   const { url, body, chat } = requestBody($("play"));
   const reply = $("reply");
   reply.textContent = "";
+  reply.setAttribute("aria-busy", "true"); // read out once whole, not chunk by chunk
   $("play-error").textContent = "";
   fillRows($("play-timings"), []);
   player = new AbortController();
@@ -450,6 +458,7 @@ async function send(event) {
     $("play-error").textContent = e.name === "AbortError" ? "Stopped." : `Error: ${e.message}`;
   } finally {
     player = null;
+    reply.setAttribute("aria-busy", "false");
     $("send").disabled = false;
     $("stop").disabled = true;
   }
@@ -489,12 +498,12 @@ function start() {
     paused = !paused;
     e.target.setAttribute("aria-pressed", String(paused));
     e.target.textContent = paused ? "Resume updates" : "Pause updates";
+    if (paused) setConnection("paused", "paused");
   });
   $("logout").addEventListener("click", async () => {
     await fetch("/console/logout", { method: "POST" });
     location.reload();
   });
-  document.addEventListener("visibilitychange", () => { if (!document.hidden) setConnection("live", "resuming…"); });
   watchSections();
   poll();
   loadFigures();
