@@ -1,0 +1,85 @@
+"""Speculative decoding's proposer side (issue 24, first part): its configuration and n-gram
+prompt lookup, in the torch-free core, on token ids.
+
+A reply that repeats its input (an edit, a summary quoting its text, code) has runs that already
+occur in the sequence: if the last n tokens occurred before, the tokens that followed them then
+are a cheap guess of the next ones. The configuration is vLLM's `speculative_config` dict
+(`{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+"prompt_lookup_max": 4}`), validated here with errors naming the key. Not wired into the
+scheduler and runner yet: see the issue's note for what remains (verification in one pass,
+rollback, the switch by the cost model, metrics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+METHODS = ("ngram",)
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+DEFAULT_LOOKUP = 5  # vLLM's n when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        """vLLM's dict; one lookup bound given stands for both, neither means 5."""
+        if not isinstance(d, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        unknown = sorted(set(d) - _KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
+        method = d.get("method")
+        if method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}"
+            )
+        k = _positive(d, "num_speculative_tokens", None)
+        high = d.get("prompt_lookup_max")
+        low = _positive(d, "prompt_lookup_min", high if high is not None else DEFAULT_LOOKUP)
+        high = _positive(d, "prompt_lookup_max", low)
+        if high < low:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_max ({high}) is below prompt_lookup_min ({low})"
+            )
+        return cls(method, k, low, high)
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        return propose_ngram(
+            token_ids, self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max
+        )
+
+
+def _positive(d: dict, key: str, default: int | None) -> int:
+    value = d.get(key, default)
+    if value is None:
+        raise ValueError(f"speculative_config.{key} is required")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def propose_ngram(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens guessed to follow `token_ids`: for the longest n in [n_min, n_max] whose
+    last n tokens occurred earlier, the tokens after the most recent such occurrence (recent
+    text predicts the reply's next run best: a copy goes on from where it got to). [] when no
+    suffix recurs. One vectorised comparison a length, no loop over positions."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    length = tokens.size
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        # Windows starting at 0 .. length - 1 - n: every occurrence but the suffix itself.
+        windows = sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
