@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from quill.engine.speculative import SpeculativeConfig
+
 
 def cache_dir() -> Path:
     """Where quill keeps what it made once: converted models, compiled code, calibrations."""
@@ -80,6 +82,15 @@ class EngineConfig:
     kv_transfer_port: int | None = None
     kv_transfer_timeout: float = 30.0
     kv_transfer_failure: str = "recompute"
+    # Speculative decoding: vLLM's speculative_config dict, or its JSON text (quill/engine/
+    # speculative.py), e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off.
+    speculative_config: dict | str | None = None
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -134,6 +145,7 @@ class EngineConfig:
             raise ValueError(
                 f"unknown kv_transfer_failure {self.kv_transfer_failure!r} (recompute | fail)"
             )
+        self.speculative  # noqa: B018 - parsed now, so a bad dict fails here
         if not self.kv_transfer_timeout > 0:
             raise ValueError(
                 f"kv_transfer_timeout must be positive seconds, got {self.kv_transfer_timeout}"

@@ -56,6 +56,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "faster on this machine",
     )
     parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s dict: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\'; on '
+        'only in steps where the cost model says it pays (add "by_cost": false for always)',
+    )
+    parser.add_argument(
         "--record-steps",
         default=None,
         metavar="FILE",
@@ -171,6 +179,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         compile=args.compile,
         quantization=args.quantization,
         record_steps=args.record_steps,
+        speculative_config=args.speculative_config,
         hardware=args.hardware,
         price_per_hour=args.price_per_hour,
         enable_prefix_caching=args.enable_prefix_caching,

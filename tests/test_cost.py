@@ -279,7 +279,9 @@ def test_kv_capacity_by_hand():
 def _plan(seqs):
     return types.SimpleNamespace(
         seqs=[
-            types.SimpleNamespace(start=s, num_tokens=n, samples=smp, is_decode=d)
+            types.SimpleNamespace(
+                start=s, num_tokens=n, samples=smp, is_decode=d, draft_token_ids=None
+            )
             for s, n, smp, d in seqs
         ]
     )
@@ -293,6 +295,13 @@ def test_from_plan_agrees_with_from_seqs_and_price_accepts_plans():
     cm = CostModel(SMOL, SLOW)
     assert cm.price(_plan(seqs)) == cm.price(BatchShape.from_seqs(seqs))
     assert cm.price(_plan([])).predicted_s == 0
+    # A decode with 3 drafts: 4 tokens, each with its row of logits, all decode work.
+    drafted = types.SimpleNamespace(
+        start=500, num_tokens=4, samples=True, is_decode=True, draft_token_ids=[1, 2, 3]
+    )
+    shape = BatchShape.from_plan(types.SimpleNamespace(seqs=[drafted]))
+    assert shape == BatchShape.from_seqs([(500, 4, 4, True)])
+    assert (shape.num_sampled, shape.num_decode_tokens, shape.attention_pairs) == (4, 4, 2010)
 
 
 # -- the command ---------------------------------------------------------------------------

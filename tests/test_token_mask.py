@@ -61,5 +61,6 @@ def test_a_mask_that_allows_nothing_and_draft_tokens_are_refused_clearly():
     logits = torch.zeros(1, VOCAB)
     with pytest.raises(ValueError, match="allows no token"):
         Sampler(torch.device("cpu"))(logits, [row("a", SamplingParams(), bitmask(set()))])
-    with pytest.raises(NotImplementedError, match="draft"):
+    # Rows with drafts have one row of logits per drafted position: `verify` takes them.
+    with pytest.raises(ValueError, match="Sampler.verify"):
         Sampler(torch.device("cpu"))(logits, [row("a", SamplingParams(), drafts=[1, 2])])

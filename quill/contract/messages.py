@@ -135,6 +135,35 @@ class StructuredStats:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding's running totals on one engine (vLLM's spec_decode counters):
+    requests verified with drafts, drafts made and accepted, and per draft position the drafts
+    accepted through it; decodes asked for drafts and those that got some; and how many drafts
+    the switch allowed in the last step (0: off, the batch is too busy for them to pay)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_eligible: int = 0
+    num_proposed: int = 0
+    drafts_allowed: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        n = self.num_draft_tokens
+        return self.num_accepted_tokens / n if n else None
+
+    def on_verified(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_position = self.accepted_per_position
+        for i in range(num_accepted):
+            per_position[i] += 1
+
+
+@dataclass
 class StepStats:
     """What one step did and left: the one thing observers read of the engine."""
 
@@ -152,6 +181,7 @@ class StepStats:
     price: StepPrice | None = None  # when a cost model with a hardware spec is on
     kv_transfer: KVTransferStats | None = None  # when this instance has a KV link
     structured: StructuredStats | None = None  # when structured output is on
+    spec_decode: SpecDecodeStats | None = None  # when speculative decoding is on
 
     @property
     def num_batched_tokens(self) -> int:

@@ -36,6 +36,10 @@ class RequestMetrics:
     # A decode instance's request whose prompt KV came from a prefill instance: the transfer.
     kv_transfer_bytes: int | None = None
     kv_transfer_s: float | None = None
+    # Speculative decoding: drafts verified for this request, and how many of them held (each
+    # accepted draft is a token that cost no pass of its own).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -68,7 +68,8 @@ class SeqPlan:
     # The tokens the sampler may choose from, as a bitmask over the vocabulary (bit t of byte
     # t // 8, least significant bit first); None: every token. Set by structured output.
     token_bitmask: bytes | None = None
-    # Tokens guessed ahead for the sampler to verify (speculative decoding); None: none.
+    # Tokens guessed ahead (speculative decoding): `token_ids` ends with them, after the
+    # request's last token; the sampler verifies them in this pass. None: none.
     draft_token_ids: list[int] | None = None
 
     @property
@@ -81,13 +82,24 @@ class SeqPlan:
         return self.start + len(self.token_ids)
 
     @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids) if self.draft_token_ids else 0
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the step computes for this sequence: one per drafted position and
+        one more when it samples; none otherwise."""
+        return 1 + self.num_drafts if self.samples else 0
+
+    @property
     def is_decode(self) -> bool:
-        """The one definition: a decode computes exactly one token, one that follows the prompt.
+        """The one definition: a decode computes exactly one token, one that follows the prompt
+        (and with speculation the drafts guessed after it, verified in the same pass).
 
         Everything else (prompt chunks, and the recomputation of a preempted request's prompt
         and output) is prefill.
         """
-        return len(self.token_ids) == 1 and self.start >= self.num_prompt_tokens
+        return len(self.token_ids) == 1 + self.num_drafts and self.start >= self.num_prompt_tokens
 
     @property
     def is_prefill(self) -> bool:
@@ -122,7 +134,11 @@ class StepPlan:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode)
+        return sum(len(s.token_ids) for s in self.seqs if s.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_drafts for s in self.seqs)
 
     @property
     def num_prefill_tokens(self) -> int:

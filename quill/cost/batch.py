@@ -29,9 +29,11 @@ class BatchShape:
 
     @classmethod
     def from_seqs(
-        cls, seqs: Iterable[tuple[int, int, bool, bool]], window: int | None = None
+        cls, seqs: Iterable[tuple[int, int, bool | int, bool]], window: int | None = None
     ) -> BatchShape:
-        """From (start, num_tokens, samples, is_decode) per scheduled sequence."""
+        """From (start, num_tokens, samples, is_decode) per scheduled sequence; `samples` may
+        be the rows of logits it computes (a speculative decode: one per drafted position and
+        one more), True being one."""
         tokens = seqs_n = sampled = prefill = decode = pairs = read = 0
         for start, n, samples, is_decode in seqs:
             if start < 0 or n < 1:
@@ -40,7 +42,7 @@ class BatchShape:
                 )
             tokens += n
             seqs_n += 1
-            sampled += bool(samples)
+            sampled += int(samples)
             if is_decode:
                 decode += n
             else:
@@ -83,10 +85,11 @@ class BatchShape:
     @classmethod
     def from_plan(cls, plan, window: int | None = None) -> BatchShape:
         """From the engine's StepPlan (duck-typed: `plan.seqs` items have start, num_tokens,
-        samples, is_decode). Runs once per simulated step, so it is one plain loop."""
+        samples, is_decode, and optionally draft_token_ids). Runs once per simulated step, so
+        it is one plain loop."""
         if window:
             return cls.from_seqs(
-                ((s.start, s.num_tokens, s.samples, s.is_decode) for s in plan.seqs), window
+                ((s.start, s.num_tokens, logits_rows(s), s.is_decode) for s in plan.seqs), window
             )
         tokens = seqs_n = sampled = decode = pairs = read = 0
         for s in plan.seqs:
@@ -95,12 +98,21 @@ class BatchShape:
             tokens += n
             seqs_n += 1
             if s.samples:
-                sampled += 1
+                sampled += logits_rows(s)
             if s.is_decode:
                 decode += n
             pairs += n * start + (n * (n + 1) >> 1)
             read += start + n
         return cls(tokens, seqs_n, sampled, tokens - decode, decode, pairs, read, tokens)
+
+
+def logits_rows(seq) -> int:
+    """Rows of logits a plan's sequence computes: one per drafted position and one more when
+    it samples (SeqPlan.num_logits, for duck-typed plans too)."""
+    if not seq.samples:
+        return 0
+    drafts = getattr(seq, "draft_token_ids", None)
+    return 1 + len(drafts) if drafts else 1
 
 
 def _pairs(start: int, n: int, window: int | None) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.contract.kv_groups import KVGroups
-from quill.cost.batch import BatchShape
+from quill.cost.batch import BatchShape, logits_rows
 from quill.cost.hardware import canonical_dtype
 from quill.model.config import ModelConfig, tensor_parallel_problems
 
@@ -261,7 +261,7 @@ class ModelSpec:
         if not self.sliding_window and not self.layer_windows:
             return BatchShape.from_plan(plan)
         return self.shape_of_seqs(
-            (s.start, s.num_tokens, s.samples, s.is_decode) for s in plan.seqs
+            (s.start, s.num_tokens, logits_rows(s), s.is_decode) for s in plan.seqs
         )
 
     def weight_bytes_for(self, num_tokens: int) -> float:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from quill.contract.errors import ExecutorFailedError, InvalidRequestError
-from quill.contract.messages import StepStats
+from quill.contract.messages import SpecDecodeStats, StepStats
 from quill.contract.plan import Executor, KVFetch, SampleLogprobs, SeqPlan, StepPlan, StepResult
 from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
@@ -284,12 +284,19 @@ class EngineCore:
             duration=end - start,
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
+            spec_decode=self._spec_snapshot(),
         )
         self.last_plan = ran
         for listener in self.step_listeners:
             listener.on_step(ran, start, end)
 
         return out
+
+    def _spec_snapshot(self) -> SpecDecodeStats | None:
+        spec = self.scheduler.spec_stats
+        if self.scheduler.speculative is None:
+            return None
+        return replace(spec, accepted_per_position=spec.accepted_per_position[:])
 
     def _take_constrained(self, advanced: list[Request], finished: list[Request]) -> list[Request]:
         """Each constrained request's matcher takes its new tokens; a token it refuses (the
@@ -420,10 +427,15 @@ class EngineCore:
             samples = s.samples
             params = request.sampling_params if samples else None
             history = samples and params.uses_penalties
+            drafts = s.draft_token_ids
+            if drafts:  # the last token, then the guesses after it
+                token_ids = request.token_ids_slice(start, start + 1) + drafts
+            else:
+                token_ids = request.token_ids_slice(start, start + s.num_tokens)
             append(
                 SeqPlan(
                     request.request_id,
-                    request.token_ids_slice(start, start + s.num_tokens),
+                    token_ids,
                     start,
                     len(request.prompt_token_ids),
                     [table[:] for table in tables[request.request_id]],
@@ -434,6 +446,7 @@ class EngineCore:
                     token_bitmask=self.structured.bitmask(request.request_id)
                     if samples and params.structured is not None
                     else None,
+                    draft_token_ids=drafts,
                 )
             )
         fetches = []

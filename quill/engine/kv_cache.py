@@ -226,6 +226,17 @@ class KVCacheManager:
                 table.extend(pool.allocate(needed))
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the request's blocks past those holding its first `num_tokens` tokens
+        (booked for drafts that were rejected; never cached: only verified blocks are)."""
+        tables = self.block_tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        if not tables or len(tables[0]) <= keep:
+            return
+        for table in tables:
+            self.pool.free([b for b in table[keep:] if b != NULL_BLOCK])
+            del table[keep:]
+
     def _free_behind_windows(self, tables: list[list[int]], position: int) -> None:
         """Free each sliding group's blocks that no query from `position` on reads."""
         for g in self._sliding_groups:

@@ -83,6 +83,9 @@ class Request:
     remote_kv: object | None = None
     kv_transfer: tuple[int, float] | None = None  # (bytes, seconds) of that fetch, once done
     kv_transferred: bool = False  # it came with remote_kv (whether or not the fetch worked)
+    # Speculative decoding: drafts verified for it, and those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.times is None:
@@ -130,6 +133,8 @@ class Request:
             bytes_moved=cost.bytes_moved if cost else None,
             cost_usd=cost.cost_usd if cost else None,
             kv_transfer_bytes=self.kv_transfer[0] if self.kv_transfer else None,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
             kv_transfer_s=self.kv_transfer[1] if self.kv_transfer else None,
         )
 

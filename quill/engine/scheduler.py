@@ -2,7 +2,10 @@
 
 Every step is one pass over the model under a token budget. Running requests go first (a decode
 costs one token), then waiting prompts fill what is left in chunks, so a long prompt never holds
-the running streams for more than one budget's worth of work. A request admitted with a cached
+the running streams for more than one budget's worth of work. With speculative decoding on, a
+decoding request may carry drafts (quill/engine/speculative.py) that the same pass verifies;
+their KV slots are booked for the step, and those of rejected drafts are given back after it;
+blocks are entered in the prefix cache only once verified. A request admitted with a cached
 prefix starts past it. When the KV pool runs dry the last request of the running list (the
 policy orders it, see `request_queue`) is preempted: its blocks are freed, their cached content
 stays, and it is recomputed later from whatever of it is still cached.
@@ -19,9 +22,12 @@ from dataclasses import dataclass, field, replace
 
 from quill.config import SchedulingPolicy
 from quill.contract.errors import InvalidRequestError
+from quill.contract.messages import SpecDecodeStats
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request, RequestStatus
 from quill.engine.request_queue import DEFAULT_PRIORITY_AGING, add_running, make_waiting_queue
+from quill.engine.spec_switch import SpeculationSwitch
+from quill.engine.speculative import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -32,6 +38,9 @@ class ScheduledRequest:
     # The step reaches the request's last token, so a new token is sampled. Fixed when the
     # request is scheduled: its token count changes only in `update`, after this is read.
     samples: bool
+    # Guessed tokens after the request's last one, verified in this step (then `num_tokens`
+    # is 1 + their count); None: none.
+    draft_token_ids: list[int] | None = None
 
     @classmethod
     def of(cls, request: Request, num_tokens: int) -> ScheduledRequest:
@@ -45,6 +54,7 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # finished while scheduling
     fetches: list[Request] = field(default_factory=list)  # their KV fetches start now
+    num_draft_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,7 +77,11 @@ class Scheduler:
         max_model_len: int,
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         priority_aging: float = DEFAULT_PRIORITY_AGING,
+        speculative: SpeculativeConfig | None = None,
+        spec_switch: SpeculationSwitch | None = None,
     ) -> None:
+        """`speculative`: propose drafts for decodes (`spec_switch`: how many, per step; None:
+        always num_speculative_tokens)."""
         self.kv = kv
         self.token_budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -80,6 +94,10 @@ class Scheduler:
         self.abandoned_fetches: set[str] = set()  # ended meanwhile: blocks held until it ends
         self.num_preemptions = 0
         self.num_transferred_prompt_tokens = 0  # see KVTransferStats
+        self.speculative = speculative
+        self.spec_switch = spec_switch
+        k = speculative.num_speculative_tokens if speculative is not None else 0
+        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * k)
 
     # -- requests in and out -------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -170,12 +188,26 @@ class Scheduler:
         tables = kv.block_tables
         block_size = kv.block_size
         caching = kv.enable_prefix_caching
+        max_drafts = -1 if self.speculative is None else None  # None: decided at first decode
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             start = request.num_computed_tokens
             total = len(request.prompt_token_ids) + len(request.output_token_ids)
             n = total - start
+            if n == 1 and max_drafts != 0 and budget > 1:
+                if max_drafts is None:
+                    max_drafts = self._drafts_this_step(start)
+                drafts = self._propose(request, total, min(max_drafts, budget - 1))
+                if drafts and kv.allocate_slots(request, total + len(drafts)):
+                    if caching:  # the blocks full of verified tokens (several filled lately)
+                        kv.cache_blocks(request, total)
+                    scheduled.append(ScheduledRequest(request, 1 + len(drafts), start, True,
+                                                      drafts))  # fmt: skip
+                    out.num_draft_tokens += len(drafts)
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             if n > budget:
                 n = budget
             table = tables.get(request.request_id)
@@ -238,6 +270,36 @@ class Scheduler:
             scheduled.append(ScheduledRequest.of(request, n))
             budget -= n
         return out
+
+    def _drafts_this_step(self, context: int) -> int:
+        if self.spec_switch is None:
+            allowed = self.speculative.num_speculative_tokens
+        else:
+            allowed = self.spec_switch.num_drafts(len(self.running), context)
+        self.spec_stats.drafts_allowed = allowed
+        return allowed
+
+    def _propose(self, request: Request, total: int, k: int) -> list[int]:
+        """Drafts for a decoding request, at most `k`, none where they could not stay exact
+        or would run past its limits: penalties and structured output depend on each token
+        before (not modelled for drafts yet); min_tokens would bar end ids at some drafted
+        positions only."""
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        k = min(k, request.max_tokens - num_output - 1, self.max_model_len - total - 1)
+        if (
+            k < 1
+            or params.uses_penalties
+            or params.structured is not None
+            or num_output < params.min_tokens
+        ):
+            return []
+        drafts = self.speculative.propose(request.prompt_token_ids + request.output_token_ids, k)
+        self.spec_stats.num_eligible += 1
+        self.spec_stats.num_proposed += bool(drafts)
+        if self.spec_switch is not None:
+            self.spec_switch.on_proposals(1, bool(drafts))
+        return drafts
 
     def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
         needed = request.num_computed_tokens + n
@@ -309,16 +371,31 @@ class Scheduler:
         advanced: list[Request] = []
         finished: list[Request] = list(out.finished)
         running = RequestStatus.RUNNING
+        spec = self.spec_stats
         for s in out.scheduled:
             request = s.request
             if request.status is not running:  # aborted, or sent back to recompute
                 continue
-            request.num_computed_tokens += s.num_tokens
+            tokens = sampled[request.request_id] if s.samples else ()
+            drafts = s.draft_token_ids
+            if drafts:
+                # The last token and the accepted drafts are computed; the slots past them
+                # held rejected drafts: their blocks go back (never cached: see schedule).
+                accepted = len(tokens) - 1
+                request.num_computed_tokens += 1 + accepted
+                spec.on_verified(len(drafts), accepted)
+                request.num_draft_tokens += len(drafts)
+                request.num_accepted_tokens += accepted
+                if self.spec_switch is not None:
+                    self.spec_switch.on_verified(len(drafts), accepted)
+                if accepted < len(drafts):
+                    self.kv.trim(request.request_id, request.num_computed_tokens + 1)
+            else:
+                request.num_computed_tokens += s.num_tokens
             if not s.samples:
                 continue
             advanced.append(request)
-            # Speculative decoding will count only the accepted drafts as computed here.
-            for token in sampled[request.request_id]:
+            for token in tokens:
                 request.output_token_ids.append(token)
                 request.times.on_token(now)
                 reason, stop_reason = self._check_stop(request, token)

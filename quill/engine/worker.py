@@ -55,6 +55,23 @@ class EngineWorker:
             config.enable_prefix_caching,
             built.model_config.kv_groups.group_windows,
         )
+        # The observers, each left out when off so that a step pays nothing for it.
+        self.accountant = _make_accountant(config, built) if config.cost_accounting else None
+        listeners = [self.accountant] if self.accountant is not None else []
+        speculative = config.speculative
+        switch = None
+        if speculative is not None and speculative.by_cost:
+            switch = _make_spec_switch(speculative, self.accountant)
+            listeners.append(switch)
+        if speculative is not None:
+            log.info(
+                "speculative decoding: %s, up to %d drafts (n-grams of %d..%d), %s",
+                speculative.method,
+                speculative.num_speculative_tokens,
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+                "in steps where the cost model says it pays" if switch else "every step",
+            )
         scheduler = Scheduler(
             kv,
             built.token_budget,
@@ -62,10 +79,9 @@ class EngineWorker:
             built.max_model_len,
             config.scheduling_policy,
             config.priority_aging,
+            speculative,
+            switch,
         )
-        # The observers, each left out when off so that a step pays nothing for it.
-        self.accountant = _make_accountant(config, built) if config.cost_accounting else None
-        listeners = [self.accountant] if self.accountant is not None else []
         if config.record_steps:
             from quill.engine.record import StepRecorder
 
@@ -312,6 +328,17 @@ def _make_admission(config: EngineConfig, accountant, token_budget: int):
         config.scheduling_policy,
         config.priority_aging,
     )
+
+
+def _make_spec_switch(speculative, accountant):
+    """Speculation on only in steps where it pays: priced like admission's steps (the cost
+    model fitted to measured steps, or a line in token counts without a hardware spec)."""
+    from quill.engine.admission import StepTimer
+    from quill.engine.spec_switch import SpeculationSwitch
+
+    cost_model = None if accountant is None else accountant.cost_model
+    timer = StepTimer.from_cost_model(cost_model) if cost_model else StepTimer.by_tokens()
+    return SpeculationSwitch(speculative.num_speculative_tokens, timer)
 
 
 def _make_accountant(config: EngineConfig, built):

@@ -4,8 +4,10 @@ It owns the model, the KV cache tensors, the attention workspaces and the sample
 two calls: `forward` lays the scheduled tokens out flat (one-query rows first, no padding),
 builds the attention layout for the paged cache, runs one pass with both passed in and maps
 only the rows that sample to logits; `sample` takes those logits with each row's sampling
-inputs (parameters, history, token mask) and picks the tokens. Between the two is where a
-token mask is made or draft tokens are checked.
+inputs (parameters, history, token mask) and picks the tokens, or, for a sequence that carries
+drafts (speculative decoding), takes the logits of each drafted position and one more and
+keeps the drafts the model agrees with, plus one token. Between the two is where a token mask
+is made.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ForwardOutput:
-    """A pass's logits, one row per sampling sequence, in `rows` order."""
+    """A pass's logits: per sampling sequence in `rows` order, its `num_logits` rows (one; a
+    sequence with drafts: one per drafted position and one more)."""
 
-    logits: torch.Tensor | None  # [len(rows), vocab]; None when nothing samples
+    logits: torch.Tensor | None  # [sum of num_logits, vocab]; None when nothing samples
     rows: list[SeqPlan]
 
 
@@ -178,7 +181,11 @@ class ModelRunner:
             else:
                 chunks.append(s)
             if s.samples:
-                sample_rows.append(len(input_ids) - 1)
+                end = len(input_ids)
+                if s.draft_token_ids:
+                    sample_rows.extend(range(end - 1 - len(s.draft_token_ids), end))
+                else:
+                    sample_rows.append(end - 1)
                 sampling.append(s)
         # Padding tokens (compiled runs only) write their keys to the scratch block, unread.
         num_padding = self.padded_size(len(input_ids)) - len(input_ids)
@@ -201,6 +208,11 @@ class ModelRunner:
         if forward.logits is None:
             return StepResult({}, {})
         rows = forward.rows
+        if any(s.draft_token_ids for s in rows):
+            tokens, token_logprobs = self.sampler.verify(forward.logits, rows)
+            sampled = {s.request_id: t for s, t in zip(rows, tokens)}
+            logprobs = {s.request_id: lp for s, lp in zip(rows, token_logprobs) if lp is not None}
+            return StepResult(sampled, logprobs)
         result: SampleResult = self.sampler(forward.logits, rows)
         sampled = {s.request_id: [t] for s, t in zip(rows, result.token_ids)}
         logprobs = {s.request_id: [lp] for s, lp in zip(rows, result.logprobs) if lp is not None}

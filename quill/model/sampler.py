@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quill.contract.plan import SeqPlan
+from quill.contract.plan import SampleLogprobs, SeqPlan
 from quill.contract.sampling_params import SamplingParams
+from quill.model.spec_verify import accept_greedy, verify_drafts
 from quill.ops import fused
 
 _F32_MAX = torch.finfo(torch.float32).max
@@ -52,10 +53,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[SeqPlan]) -> SampleResult:
         if any(r.draft_token_ids for r in requests):
-            raise NotImplementedError(
-                "draft tokens came with a step, but quill verifies no drafts yet (speculative "
-                "decoding is not built)"
-            )
+            raise ValueError("rows with draft tokens are verified by Sampler.verify")
         params = [r.sampling_params for r in requests]
         raw_logits = logits.float()
         logits = prepare_logits(raw_logits, requests, self.end_token_ids)
@@ -71,21 +69,85 @@ class Sampler:
         prepared = prepare_logits(logits.float(), requests, self.end_token_ids)
         return processed_probs(prepared, [r.sampling_params for r in requests])
 
+    def verify(
+        self, logits: torch.Tensor, requests: list[SeqPlan]
+    ) -> tuple[list[list[int]], list[list[SampleLogprobs] | None]]:
+        """Per request its tokens: the drafts the model accepts (quill/model/spec_verify.py)
+        and one more, or one token for a request without drafts; and their logprobs where
+        asked. `logits` holds each request's `num_logits` rows in order. The scheduler gives
+        drafts only where every drafted position is processed alike (no penalties, token
+        masks or min_tokens yet to reach), so each row is prepared as its request's."""
+        counts = [r.num_logits for r in requests]
+        expanded = [r for r, c in zip(requests, counts) for _ in range(c)]
+        raw = logits.float()
+        prepared = prepare_logits(raw, expanded, self.end_token_ids)
+        device, k = logits.device, max(counts) - 1
+        first = torch.tensor(counts, device=device).cumsum(0) - torch.tensor(counts, device=device)
+        num_drafts = torch.tensor([c - 1 for c in counts], device=device)
+        # Each request's rows for positions 0 .. k, its last one repeated past its own drafts.
+        at = torch.arange(k + 1, device=device)
+        index = first[:, None] + torch.minimum(at[None, :], num_drafts[:, None])
+        drafts = torch.tensor(
+            [(r.draft_token_ids or []) + [0] * (k - r.num_drafts) for r in requests],
+            dtype=torch.long,
+            device=device,
+        )
+        params = [r.sampling_params for r in requests]
+        if all(p.greedy for p in params):
+            accepted, after = accept_greedy(fused.argmax(prepared)[index], drafts, num_drafts)
+        else:
+            probs = processed_probs(prepared, [r.sampling_params for r in expanded])[index]
+            greedy = torch.tensor([p.greedy for p in params], device=device)
+            uniform, noise = self._random(requests, probs.shape[-1], k)
+            accepted, after = verify_drafts(probs, drafts, num_drafts, greedy, uniform, noise)
+        num_accepted, next_ids = accepted.tolist(), after.tolist()
+        tokens = [
+            (r.draft_token_ids or [])[:n] + [t] for r, n, t in zip(requests, num_accepted, next_ids)
+        ]
+        if all(p.logprobs is None for p in params):
+            return tokens, [None] * len(requests)
+        rows = [c0 + j for c0, ts in zip(first.tolist(), tokens) for j in range(len(ts))]
+        flat = torch.tensor([t for ts in tokens for t in ts], device=device)
+        row_params = [p for p, ts in zip(params, tokens) for _ in ts]
+        flat_logprobs = compute_logprobs(raw[rows], flat, row_params)
+        logprobs, i = [], 0
+        for p, ts in zip(params, tokens):
+            logprobs.append(None if p.logprobs is None else flat_logprobs[i : i + len(ts)])
+            i += len(ts)
+        return tokens, logprobs
+
     def _draw(self, probs: torch.Tensor, requests: list[SeqPlan]) -> torch.Tensor:
+        _, noise = self._random(requests, probs.shape[-1], 0)
+        return fused.argmax(probs / noise)
+
+    def _random(
+        self, requests: list[SeqPlan], vocab: int, k: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Per row `k` uniforms in [0, 1) (for accepting drafts) and Exp(1) noise over the
+        vocabulary (for drawing a token as argmax p / E), from its request's generator when
+        seeded, else the sampler's."""
         seeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is not None]
         # A failed step is retried one request at a time: a seeded request must then draw the
         # same noise again, so its generator goes back to where it was if anything here raises.
         gens = self.request_generators
         ids = [requests[i].request_id for i in seeded]
         saved = {rid: gens[rid].get_state() for rid in ids if rid in gens}
+        device = self.device
         try:
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            shape = (len(requests), vocab)
+            noise = torch.empty(shape, device=device).exponential_(generator=self.generator)
+            uniform = None
+            if k:
+                uniform = torch.rand(len(requests), k, device=device, generator=self.generator)
             for i in seeded:
-                noise[i].exponential_(generator=self._generator_for(requests[i], noise[i]))
+                gen = self._generator_for(requests[i], noise[i])
+                noise[i].exponential_(generator=gen)
+                if k:
+                    uniform[i] = torch.rand(k, device=device, generator=gen)
             # Exp(1) can come out as exactly 0; p / 0 would be inf for every kept token and NaN
             # for the dropped ones, which argmax then prefers.
             noise.clamp_(min=_F32_TINY)
-            return fused.argmax(probs / noise)
+            return uniform, noise
         except BaseException:
             for rid in ids:
                 if rid in saved:
@@ -101,7 +163,11 @@ class Sampler:
         gen = self.request_generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
-            drawn = request.start + request.num_tokens - request.num_prompt_tokens
+            drawn = (
+                request.start + 1 - request.num_prompt_tokens
+                if request.draft_token_ids
+                else (request.start + request.num_tokens - request.num_prompt_tokens)
+            )
             for _ in range(drawn):
                 torch.empty_like(row).exponential_(generator=gen)
             self.request_generators[request.request_id] = gen

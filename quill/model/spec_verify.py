@@ -1,4 +1,4 @@
-"""Verifying drafted tokens in one pass (speculative decoding, issue 24, first part): given the
+"""Verifying drafted tokens in one pass (speculative decoding): given the
 target's processed probabilities at every drafted position and one more, keep the longest run
 of drafts the target accepts and choose one token after it, so that what comes out is
 distributed exactly as if the target had sampled token by token.
@@ -7,8 +7,7 @@ Greedy rows accept a draft while it is the argmax. Sampled rows accept draft d a
 with probability p(d) (rejection sampling against a point-mass proposal: q(d) = 1), and on the
 first rejection draw from the residual max(0, p - q), which is p without d; when every draft is
 accepted the extra position's p gives the bonus token. All rows at once, as tensor operations;
-the randomness comes in as tensors so the caller keeps per-request generators. Not wired into
-the sampler yet (see the issue's note).
+the randomness comes in as tensors so the caller (the sampler) keeps per-request generators.
 """
 
 from __future__ import annotations
@@ -45,6 +44,19 @@ def verify_drafts(
     usable = rejected & (residual.sum(1) > 0)
     p_next = torch.where(usable.unsqueeze(1), residual, p_next)
     return num_accepted, _draw(p_next, greedy, noise)
+
+
+def accept_greedy(
+    targets: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows only: targets [rows, K + 1] (each position's argmax). Returns (accepted
+    drafts per row: the run equal to the targets, the token after them: the target there)."""
+    k = drafts.shape[1]
+    same = targets[:, :k] == drafts
+    same &= torch.arange(k, device=drafts.device).unsqueeze(0) < num_drafts.unsqueeze(1)
+    num_accepted = same.long().cumprod(1).sum(1)
+    rows = torch.arange(targets.shape[0], device=targets.device)
+    return num_accepted, targets[rows, num_accepted]
 
 
 def _draw(p: torch.Tensor, greedy: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,9 @@ def request_timings(metrics: list[RequestMetrics], num_prompt_tokens: int) -> di
         # The prompt's KV from a prefill instance (disaggregation), when it came from one.
         "kv_transfer_bytes": pick(sum, [m.kv_transfer_bytes for m in metrics]),
         "kv_transfer_s": pick(max, [m.kv_transfer_s for m in metrics]),
+        # Speculative decoding: drafts verified for the request, and those accepted.
+        "num_draft_tokens": sum(m.num_draft_tokens for m in metrics),
+        "num_accepted_tokens": sum(m.num_accepted_tokens for m in metrics),
     }
 
 

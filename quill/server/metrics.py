@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from quill.contract.messages import KVTransferStats, StepStats, StructuredStats
+from quill.contract.messages import KVTransferStats, SpecDecodeStats, StepStats, StructuredStats
 from quill.contract.outputs import RequestOutput
 from quill.server.console.state import ConsoleState
 
@@ -53,6 +53,13 @@ _STRUCTURED_COUNTERS = (  # StructuredStats field, metric, help
     ("masks", "structured_masks", "Token masks computed (a constrained row in a step)."),
     ("mask_seconds", "structured_mask_seconds", "Seconds spent computing token masks."),
     ("over_budget", "structured_over_budget", "Replies ended: a token mask over its budget."),
+)
+
+
+_SPEC_COUNTERS = (  # SpecDecodeStats field, metric, help (vLLM's spec_decode names)
+    ("num_drafts", "spec_decode_num_drafts", "Requests' steps verified with drafts."),
+    ("num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    ("num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 )
 
 
@@ -209,6 +216,34 @@ class ServerMetrics:
             for field, name, doc in _STRUCTURED_COUNTERS
         }
         self._structured_seen = StructuredStats()
+        # Speculative decoding (quill/engine/speculative.py), from the engine's running totals.
+        self._spec_counters = {
+            field: one(Counter(f"quill:{name}", doc, labels, registry=r))
+            for field, name, doc in _SPEC_COUNTERS
+        }
+        self._spec_per_position = Counter(
+            "quill:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts accepted through each draft position (0: the first draft).",
+            labels + ["position"],
+            registry=r,
+        )
+        self.spec_acceptance = one(
+            Gauge(
+                "quill:spec_decode_acceptance_rate",
+                "Accepted / proposed draft tokens since start.",
+                labels,
+                registry=r,
+            )
+        )
+        self.spec_allowed = one(
+            Gauge(
+                "quill:spec_decode_drafts_allowed",
+                "Drafts a request could carry in the last step (0: the cost model says no).",
+                labels,
+                registry=r,
+            )
+        )
+        self._spec_seen = SpecDecodeStats()
         self.structured_refused = one(
             Counter(
                 "quill:structured_refused",
@@ -278,11 +313,30 @@ class ServerMetrics:
                 if new:
                     counter.inc(new)
             self._structured_seen = stats.structured
+        if stats.spec_decode is not None:
+            self._on_spec_decode(stats.spec_decode)
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+
+    def _on_spec_decode(self, totals: SpecDecodeStats) -> None:
+        seen = self._spec_seen
+        for field, counter in self._spec_counters.items():
+            new = getattr(totals, field) - getattr(seen, field)
+            if new:
+                counter.inc(new)
+        before = seen.accepted_per_position
+        for i, count in enumerate(totals.accepted_per_position):
+            new = count - (before[i] if i < len(before) else 0)
+            if new:
+                labels = {"model_name": self.model_name, "position": str(i)}
+                self._spec_per_position.labels(**labels).inc(new)
+        if totals.acceptance_rate is not None:
+            self.spec_acceptance.set(totals.acceptance_rate)
+        self.spec_allowed.set(totals.drafts_allowed)
+        self._spec_seen = totals
 
     def _on_kv_transfer(self, totals: KVTransferStats) -> None:
         for field, counter in self._kv_counters.items():

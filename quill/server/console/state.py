@@ -158,6 +158,7 @@ class ConsoleState:
             "kv_cache_usage": stats.kv_cache_usage if stats else 0.0,
             "prefix_cache_hit_rate": hits / queries if queries else None,
             "preemptions": self.num_preemptions,
+            "spec_decode": _spec_decode(stats.spec_decode if stats else None),
             "finished_requests": self.num_finished,
             "ttft": distribution(v for _, v in self.ttft),
             "itl": distribution(v for _, v in self.itl),
@@ -201,4 +202,18 @@ def _step_row(stats: StepStats, now: float, number: int) -> dict:
         "mfu": price.mfu if price else None,
         "mbu": price.mbu if price else None,
         "cost_usd": price.cost_usd if price else None,
+    }
+
+
+def _spec_decode(spec) -> dict | None:
+    """Speculative decoding's totals for the page (None: it is off)."""
+    if spec is None:
+        return None
+    return {
+        "drafts_allowed": spec.drafts_allowed,
+        "draft_tokens": spec.num_draft_tokens,
+        "accepted_tokens": spec.num_accepted_tokens,
+        "acceptance_rate": spec.acceptance_rate,
+        "accepted_per_position": spec.accepted_per_position,
+        "mean_accepted": spec.num_accepted_tokens / spec.num_drafts if spec.num_drafts else None,
     }

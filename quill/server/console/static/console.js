@@ -306,6 +306,10 @@ function render(state) {
   setText("kv-usage", percent(state.kv_cache_usage));
   setText("prefix-hits", percent(state.prefix_cache_hit_rate));
   setText("preemptions", count(state.preemptions));
+  const spec = state.spec_decode;
+  setText("spec-decode", !spec ? "off" : spec.acceptance_rate === null ?
+    `none yet (${spec.drafts_allowed})` :
+    `${percent(spec.acceptance_rate)} of ${count(spec.draft_tokens)} (${spec.drafts_allowed})`);
   setText("finished", count(state.finished_requests));
   setText("tokens-per-s", `${rate(state.output_tokens_per_s_now)} · ${rate(state.output_tokens_per_s)}`);
   setText("usd-per-mtok", `${usd(state.usd_per_million_tokens_now)} · ${usd(state.usd_per_million_tokens)}`);
