@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-
-from quill.engine.speculative import SpeculativeConfig
 
 
 def cache_dir() -> Path:
@@ -20,6 +19,85 @@ QUANTIZATIONS = ("none", "int8", "int4", "auto")
 # auto: 16-bit, as the model's dtype when that is 16-bit, else bf16 where the CPU has bf16
 # arithmetic and fp16 (F16C) where it does not.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+_SPECULATIVE_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "by_cost",
+}
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings: vLLM's `speculative_config` dict, validated with errors
+    that name the key (quill/engine/speculative.py proposes, spec_switch.py decides)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    # quill's own key: speculate only where the cost model says it pays (false: whenever the
+    # proposer finds drafts, as vLLM does).
+    by_cost: bool = True
+
+    @classmethod
+    def parse(cls, value: dict | str) -> SpeculativeConfig:
+        """The dict, or its JSON text (the command line's --speculative-config)."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        return cls.from_dict(value)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        """vLLM's dict (plus quill's `by_cost`); one lookup bound given stands for both, neither
+        means 5."""
+        if not isinstance(d, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        method = d.get("method")
+        if method in ("draft_model", "eagle", "eagle3", "medusa", "mtp"):
+            raise ValueError(
+                f"speculative_config.method {method!r} is not built: quill proposes by n-gram "
+                "lookup only. A draft model needs a smaller model of the target's tokenizer, "
+                "and no two of the models quill loads share one (SmolLM2-135M: 49,152 tokens; "
+                "Gemma 3 270M: 262,144)"
+            )
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {method!r}"
+            )
+        unknown = sorted(set(d) - _SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
+        k = _positive(d, "num_speculative_tokens", None)
+        high = d.get("prompt_lookup_max")
+        low = _positive(d, "prompt_lookup_min", high if high is not None else DEFAULT_PROMPT_LOOKUP)
+        high = _positive(d, "prompt_lookup_max", low)
+        if high < low:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_max ({high}) is below prompt_lookup_min ({low})"
+            )
+        by_cost = d.get("by_cost", True)
+        if not isinstance(by_cost, bool):
+            raise ValueError(f"speculative_config.by_cost must be true or false, got {by_cost!r}")
+        return cls(method, k, low, high, by_cost)
+
+
+def _positive(d: dict, key: str, default: int | None) -> int:
+    value = d.get(key, default)
+    if value is None:
+        raise ValueError(f"speculative_config.{key} is required")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config.{key} must be a positive integer, got {value!r}")
+    return value
 
 
 class SchedulingPolicy(StrEnum):

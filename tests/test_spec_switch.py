@@ -14,6 +14,7 @@ The hand-made machine: a step costs max(10 ms, 0.1 ms x tokens), a weight read o
 from __future__ import annotations
 
 from quill import SamplingParams
+from quill.config import SpeculativeConfig
 from quill.contract.plan import StepPlan, StepResult
 from quill.engine.admission import StepTimer
 from quill.engine.clock import VirtualClock
@@ -22,7 +23,6 @@ from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler
 from quill.engine.spec_switch import PROBE_INTERVAL, SpeculationSwitch
-from quill.engine.speculative import SpeculativeConfig
 
 
 def _machine() -> StepTimer:

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quill.engine.speculative import SpeculativeConfig, propose_ngram
+from quill.config import SpeculativeConfig
+from quill.engine.speculative import propose_ngram
 
 
 def reference(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -52,7 +53,7 @@ def test_config_is_vllms_dict():
          "prompt_lookup_max": 4}
     )  # fmt: skip
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (4, 2, 4)
-    assert c.propose([1, 2, 3, 1, 2]) == [3, 1, 2]
+    assert propose_ngram([1, 2, 3, 1, 2], 4, c.prompt_lookup_min, c.prompt_lookup_max) == [3, 1, 2]
     one = SpeculativeConfig.from_dict(
         {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
     )

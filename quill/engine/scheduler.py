@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from quill.config import SchedulingPolicy
+from quill.config import SchedulingPolicy, SpeculativeConfig
 from quill.contract.errors import InvalidRequestError
 from quill.contract.messages import SpecDecodeStats
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request, RequestStatus
 from quill.engine.request_queue import DEFAULT_PRIORITY_AGING, add_running, make_waiting_queue
 from quill.engine.spec_switch import SpeculationSwitch
-from quill.engine.speculative import SpeculativeConfig
+from quill.engine.speculative import propose_ngram
 
 
 @dataclass(slots=True)
@@ -294,7 +294,9 @@ class Scheduler:
             or num_output < params.min_tokens
         ):
             return []
-        drafts = self.speculative.propose(request.prompt_token_ids + request.output_token_ids, k)
+        spec = self.speculative
+        tokens = request.prompt_token_ids + request.output_token_ids
+        drafts = propose_ngram(tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.spec_stats.num_eligible += 1
         self.spec_stats.num_proposed += bool(drafts)
         if self.spec_switch is not None:
