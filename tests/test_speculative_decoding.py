@@ -10,12 +10,14 @@ must all come back.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import Counter
-
-import pytest
+from contextlib import contextmanager
 
 from quill import LLM, SamplingParams
+from quill.config import SpeculativeConfig
+from quill.contract.messages import SpecDecodeStats
 from tests.conftest import PROMPTS
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -34,39 +36,33 @@ GROUNDED = [
 ]
 
 
-def same_kernels(source: LLM, target: LLM) -> LLM:
-    """`target` runs its products on the kernels `source` measured fastest at its start (each
-    engine measures its own: two could pick differently, and round a near tie apart)."""
-    pairs = zip(source.engine.runner.model.modules(), target.engine.runner.model.modules())
-    for a, b in pairs:
-        for name in ("native_max_rows", "split_products"):
-            if hasattr(a, name):
-                setattr(b, name, getattr(a, name))
-    return target
-
-
-@pytest.fixture(scope="module")
-def spec_llm(model_dir, llm):
-    spec = LLM(
-        str(model_dir),
-        dtype="float32",
-        kv_cache_dtype="float32",
-        quantization="none",
-        kv_cache_memory=256 << 20,
-        max_num_seqs=64,
-        speculative_config=NGRAM,
-    )
-    return same_kernels(llm, spec)
+@contextmanager
+def drafting(llm: LLM, config: dict = NGRAM):
+    """The same engine (weights, kernels, KV pool) with speculative decoding on, as
+    `speculative_config=config` starts it, until the block ends: what differs between the two
+    sides of a comparison is the drafts alone (and the suite holds no second model)."""
+    scheduler = llm.engine.scheduler
+    saved = scheduler.speculative, scheduler.spec_switch, scheduler.spec_stats
+    spec = SpeculativeConfig.from_dict(config)
+    scheduler.speculative, scheduler.spec_switch = spec, None
+    scheduler.spec_stats = SpecDecodeStats(accepted_per_position=[0] * spec.num_speculative_tokens)
+    try:
+        yield llm
+    finally:
+        scheduler.speculative, scheduler.spec_switch, scheduler.spec_stats = saved
 
 
 def _run(llm: LLM, prompts, params: SamplingParams):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def test_greedy_replies_and_logprobs_are_the_plain_engines(llm, spec_llm):
+def test_greedy_replies_and_logprobs_are_the_plain_engines(llm):
     prompts = PROMPTS + GROUNDED
     params = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
-    plain, spec = _run(llm, prompts, params), _run(spec_llm, prompts, params)
+    plain = _run(llm, prompts, params)
+    with drafting(llm):
+        spec = _run(llm, prompts, params)
+        stats = llm.engine.last_step.spec_decode
     drafted = accepted = 0
     for p, s in zip(plain, spec, strict=True):
         a, b = p.outputs[0], s.outputs[0]
@@ -80,21 +76,21 @@ def test_greedy_replies_and_logprobs_are_the_plain_engines(llm, spec_llm):
         assert p.metrics.num_draft_tokens == 0
     # The test means something only if drafts were made, and some held, and some did not.
     assert drafted > 0 and 0 < accepted < drafted
-    stats = spec_llm.engine.last_step.spec_decode
-    assert stats.num_draft_tokens >= drafted and stats.num_accepted_tokens >= accepted
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (drafted, accepted)
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
 
 
-def test_one_at_a_time_replies_match_too(llm, spec_llm):
+def test_one_at_a_time_replies_match_too(llm):
     params = SamplingParams(temperature=0, max_tokens=64)
     for prompt in GROUNDED:
         a = _run(llm, [prompt], params)[0]
-        b = _run(spec_llm, [prompt], params)[0]
+        with drafting(llm):
+            b = _run(llm, [prompt], params)[0]
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.metrics.num_accepted_tokens > 0  # these replies repeat their input
 
 
-def test_limits_cut_where_they_cut_without_drafts(llm, spec_llm):
+def test_limits_cut_where_they_cut_without_drafts(llm):
     prompt = GROUNDED[0]
     full = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
     cases = [
@@ -108,49 +104,56 @@ def test_limits_cut_where_they_cut_without_drafts(llm, spec_llm):
     ]
     for params in cases:
         a = _run(llm, [prompt], params)[0].outputs[0]
-        b = _run(spec_llm, [prompt], params)[0].outputs[0]
+        with drafting(llm):
+            b = _run(llm, [prompt], params)[0].outputs[0]
         assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (
             a.token_ids,
             a.text,
             a.finish_reason,
             a.stop_reason,
         ), params
-    limited = _run(spec_llm, [prompt], cases[0])[0]
+    with drafting(llm):
+        limited = _run(llm, [prompt], cases[0])[0]
     assert len(limited.outputs[0].token_ids) == 7 and limited.outputs[0].finish_reason == "length"
+    assert limited.metrics.num_draft_tokens > 0
 
 
-def test_the_context_limit_holds(model_dir):
-    """Drafts never run a request past max_model_len (the last positions take none)."""
+def test_the_context_limit_holds_and_the_config_starts_it(model_dir):
+    """Drafts never run a request past max_model_len (the last positions take none); an engine
+    started with speculative_config drafts, and without its drafts answers the same."""
     prompt = GROUNDED[0]
-    with LLM(str(model_dir), dtype="float32", kv_cache_dtype="float32", quantization="none",
-             max_model_len=96, kv_cache_memory=64 << 20) as plain, LLM(
-        str(model_dir), dtype="float32", kv_cache_dtype="float32", quantization="none",
-        max_model_len=96, kv_cache_memory=64 << 20, speculative_config=NGRAM,
-    ) as spec:  # fmt: skip
-        same_kernels(plain, spec)
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)
-        a = _run(plain, [prompt], params)[0]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)
+    options = dict(dtype="float32", kv_cache_dtype="float32", quantization="none")
+    with LLM(str(model_dir), max_model_len=96, kv_cache_memory=32 << 20,
+             speculative_config=NGRAM, **options) as spec:  # fmt: skip
         b = _run(spec, [prompt], params)[0]
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert len(b.prompt_token_ids) + len(b.outputs[0].token_ids) == 96
-        assert b.metrics.num_accepted_tokens > 0
+        scheduler = spec.engine.scheduler
+        saved, scheduler.speculative = scheduler.speculative, None
+        a = _run(spec, [prompt], params)[0]
+        scheduler.speculative = saved
+    del spec
+    gc.collect()
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert len(b.prompt_token_ids) + len(b.outputs[0].token_ids) == 96
+    assert b.metrics.num_accepted_tokens > 0 and a.metrics.num_draft_tokens == 0
 
 
-def test_rejected_drafts_give_their_blocks_back(spec_llm):
-    kv = spec_llm.engine.scheduler.kv
+def test_rejected_drafts_give_their_blocks_back(llm):
+    engine = llm.engine
+    kv = engine.scheduler.kv
     params = SamplingParams(temperature=0, max_tokens=48)
-    _run(spec_llm, PROMPTS + GROUNDED, params)
-    assert not kv.block_tables  # every request's blocks went back
-    assert kv.pool.num_free_blocks == kv.num_blocks
-    # While one runs, its table holds what its verified tokens need, plus at most one block.
-    engine = spec_llm.engine
-    engine.add_request(GROUNDED[1], params, request_id="watch")
-    while engine.has_unfinished_requests():
-        engine.step()
-        request = engine.scheduler.requests.get("watch")
-        if request is not None and request.num_computed_tokens:
-            held = len(kv.block_tables["watch"][0])
-            assert held <= kv.blocks_for(request.num_computed_tokens + 1)
+    with drafting(llm):
+        _run(llm, PROMPTS + GROUNDED, params)
+        assert not kv.block_tables  # every request's blocks went back
+        assert kv.pool.num_free_blocks == kv.num_blocks
+        # While one runs, its table holds what its verified tokens need, plus at most a block.
+        engine.add_request(GROUNDED[1], params, request_id="watch")
+        while engine.has_unfinished_requests():
+            engine.step()
+            request = engine.scheduler.requests.get("watch")
+            if request is not None and request.num_computed_tokens:
+                held = len(kv.block_tables["watch"][0])
+                assert held <= kv.blocks_for(request.num_computed_tokens + 1)
 
 
 def _chi2_critical(df: int, z: float = 3.719) -> float:
@@ -158,22 +161,21 @@ def _chi2_critical(df: int, z: float = 3.719) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_sampled_replies_are_distributed_as_without_drafts(llm, spec_llm):
-    """Two samples of the first three tokens (480 replies each) from the same
-    distribution, by a chi-square test of homogeneity; the prompt makes drafts at once."""
+def test_sampled_replies_are_distributed_as_without_drafts(llm):
+    """Two samples of the first three tokens (480 replies each) from the same distribution,
+    by a chi-square test of homogeneity; the prompt makes drafts at once."""
     # 33 tokens: two full blocks, cached after the first replies, so the rest skip them.
     prompt = "one two three four " * 8 + "one"
     n = 480
-    counts = []
-    for engine in (llm, spec_llm):
-        params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True) for _ in range(n)]
-        outs = engine.generate([prompt] * n, params, use_tqdm=False)
-        counts.append(Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs))
-        if engine is spec_llm:
-            drafted = sum(o.metrics.num_draft_tokens for o in outs)
-            accepted = sum(o.metrics.num_accepted_tokens for o in outs)
-            assert drafted > n and 0 < accepted < drafted
-    plain, spec = counts
+    params = [SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True) for _ in range(n)]
+    plain = _run(llm, [prompt] * n, params)
+    with drafting(llm):
+        spec = _run(llm, [prompt] * n, params)
+    drafted = sum(o.metrics.num_draft_tokens for o in spec)
+    accepted = sum(o.metrics.num_accepted_tokens for o in spec)
+    assert drafted > n and 0 < accepted < drafted
+    plain, spec = (Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
+                   for outs in (plain, spec))  # fmt: skip
     # Rare replies pooled so every cell expects at least 5.
     common = [k for k in plain | spec if plain[k] + spec[k] >= 20]
     rows = [(plain[k], spec[k]) for k in common]

@@ -54,7 +54,6 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # finished while scheduling
     fetches: list[Request] = field(default_factory=list)  # their KV fetches start now
-    num_draft_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -204,7 +203,6 @@ class Scheduler:
                         kv.cache_blocks(request, total)
                     scheduled.append(ScheduledRequest(request, 1 + len(drafts), start, True,
                                                       drafts))  # fmt: skip
-                    out.num_draft_tokens += len(drafts)
                     budget -= 1 + len(drafts)
                     i += 1
                     continue
