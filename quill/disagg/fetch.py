@@ -39,8 +39,10 @@ class KVFetcher:
         self._in_flight = 0  # started, not yet collected
         self._fetched: dict[str, tuple[int, float]] = {}  # ended, not yet collected
         self._failed: dict[str, str] = {}
-        self._thread = threading.Thread(target=self._run, name="kv-fetch", daemon=True)
-        self._thread.start()
+        # Started by the first fetch: a thread running from the start would hold the runner
+        # (and the model and its KV cache) for as long as the process lives, though most
+        # engines never fetch.
+        self._thread: threading.Thread | None = None
 
     @property
     def busy(self) -> bool:
@@ -50,6 +52,9 @@ class KVFetcher:
     def start(self, fetches: list[KVFetch]) -> None:
         with self._lock:
             self._in_flight += len(fetches)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kv-fetch", daemon=True)
+                self._thread.start()
         for fetch in fetches:
             self._queue.put(fetch)
 
@@ -66,7 +71,8 @@ class KVFetcher:
         result.kv_fetch_failed.update(failed)
 
     def close(self) -> None:
-        self._queue.put(None)
+        if self._thread is not None:
+            self._queue.put(None)
 
     def _run(self) -> None:
         while (fetch := self._queue.get()) is not None:

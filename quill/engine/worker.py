@@ -192,7 +192,11 @@ class EngineWorker:
         return self.core.has_unfinished_requests()
 
     def close(self) -> None:
-        """Stop what the executor started (the other tensor-parallel ranks)."""
+        """Stop what the executor started (the other tensor-parallel ranks, the KV fetcher's
+        thread)."""
+        fetcher = getattr(self.runner, "kv_fetcher", None)
+        if fetcher is not None:
+            fetcher.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
