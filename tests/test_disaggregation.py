@@ -6,8 +6,10 @@ timeout, with no block leaked there."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 import time
+import weakref
 
 import pytest
 
@@ -84,6 +86,17 @@ def test_decode_after_prefill_elsewhere_matches_one_engine(llm, model_dir):
     finally:
         proc.join(30)
         proc.kill()
+
+
+def test_an_engine_let_go_frees_its_model(model_dir):
+    """Nothing of an engine outlives it: the KV fetcher's thread, once started with every
+    engine, held its runner (the model and the KV cache) for the life of the process."""
+    llm = _engine(model_dir)
+    llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
+    runner = weakref.ref(llm.engine.worker.runner)
+    del llm
+    gc.collect()
+    assert runner() is None
 
 
 @pytest.fixture(scope="module")
