@@ -311,7 +311,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-        _finish(results, args)
+        finish_results(results, args)
         print_console(results)
         return
 
@@ -347,7 +347,7 @@ def main() -> None:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(30)
-    _finish(results, args)
+    finish_results(results, args)
     print(f"best of {args.rounds} alternating rounds; engine defaults (as `quill serve` starts)\n")
     head = " | ".join(f"{v}: tok/s (% offline), ITL p50, TTFT p50" for v in variants)
     bare_head = " bare: tok/s (% offline) |" if args.bare else ""
@@ -372,7 +372,7 @@ def main() -> None:
         )
 
 
-def _finish(results: dict, args) -> None:
+def finish_results(results: dict, args) -> None:
     """The machine, date and command beside the figures; written to --json if asked."""
     info = machine_info(torch.get_num_threads())
     results.update(

@@ -54,14 +54,11 @@ import os
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 
 import httpx
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_server import start_server  # noqa: E402
-from benchmarks.engine.machine import machine_info  # noqa: E402
+from benchmarks.bench_server import finish_results, start_server  # noqa: E402
 from quill import LLM, SamplingParams  # noqa: E402
 from quill.engine_args import parse_bytes  # noqa: E402
 
@@ -420,23 +417,6 @@ def print_report(results: dict, args) -> None:
         print("weights: " + ", ".join(f"{s}: {w}" for s, w in results["weights"].items()))
 
 
-def _finish(results: dict, args) -> None:
-    """The machine, date and command beside the figures; written to --json if asked."""
-    info = machine_info(torch.get_num_threads())
-    results.update(
-        date=datetime.now(UTC).isoformat(timespec="seconds"),
-        machine=f"{info['cpu']} ({' '.join(info['cpu_flags'])}), {os.cpu_count()} cpus, "
-        f"torch {torch.__version__}",
-        machine_info=info,
-        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
-        config=vars(args),
-    )
-    print(f"\n{results['machine']}, {results['date']}\n`{results['command']}`\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -496,7 +476,7 @@ def main() -> None:
         elif part == "chat64":
             results["parts"]["chat64"] = part_chat64(args, llms, chat)
     results["total_seconds"] = time.perf_counter() - started
-    _finish(results, args)
+    finish_results(results, args)
     print_report(results, args)
     print(f"\ntotal {results['total_seconds']:.0f} s")
 

@@ -187,7 +187,7 @@ class Scheduler:
         tables = kv.block_tables
         block_size = kv.block_size
         caching = kv.enable_prefix_caching
-        max_drafts = -1 if self.speculative is None else None  # None: decided at first decode
+        max_drafts = 0 if self.speculative is None else None  # None: decided at first decode
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
