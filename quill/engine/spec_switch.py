@@ -47,7 +47,6 @@ class SpeculationSwitch:
         # Measured / timer seconds of pure-decode steps, without drafts and with.
         self.excess = [1.0, 1.0]
         self.steps_off = 0
-        self.last_choice = 0
 
     # -- what has been measured --------------------------------------------------------------
     @property
@@ -101,7 +100,6 @@ class SpeculationSwitch:
                 best = self.k
         if best:
             self.steps_off = 0
-        self.last_choice = best
         return best
 
     def _best(self, b: int, context: int, rates: list[float]) -> int:
