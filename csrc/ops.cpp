@@ -48,6 +48,7 @@ TORCH_LIBRARY(quill, m) {
       "Tensor cos, Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("score_rows(Tensor x, Tensor targets) -> (Tensor, Tensor)");
   m.def("isa() -> str", &quill::isa);
   m.def("attention_kernel(ScalarType q_dtype, ScalarType kv_dtype) -> str", &quill::attention_kernel);
 }
@@ -64,6 +65,7 @@ TORCH_LIBRARY_IMPL(quill, CPU, m) {
   m.impl("rope", &quill::rope);
   m.impl("silu_mul", &quill::silu_mul);
   m.impl("argmax_rows", &quill::argmax_rows);
+  m.impl("score_rows", &quill::score_rows);
   m.impl("decoder_stack", &quill::decoder_stack);
   m.impl("decoder_layer", &quill::decoder_layer);
 }

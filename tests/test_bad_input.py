@@ -14,7 +14,7 @@ from tests.conftest import PROMPTS
 @pytest.mark.parametrize(
     "kwargs, param",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"max_tokens": -3}, "max_tokens"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),

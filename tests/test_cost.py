@@ -302,6 +302,23 @@ def test_from_plan_agrees_with_from_seqs_and_price_accepts_plans():
     shape = BatchShape.from_plan(types.SimpleNamespace(seqs=[drafted]))
     assert shape == BatchShape.from_seqs([(500, 4, 4, True)])
     assert (shape.num_sampled, shape.num_decode_tokens, shape.attention_pairs) == (4, 4, 2010)
+    # A prompt chunk scoring its rows (prompt logprobs): positions 0..29 of a 40-token prompt
+    # give the logprobs of tokens 1..30, so 30 rows of logits though it samples nothing.
+    scoring = types.SimpleNamespace(
+        start=0,
+        num_tokens=30,
+        samples=False,
+        is_decode=False,
+        draft_token_ids=None,
+        prompt_logprob_token_ids=list(range(1, 31)),
+    )
+    shape = BatchShape.from_plan(types.SimpleNamespace(seqs=[scoring]))
+    assert shape == BatchShape.from_seqs([(0, 30, 30, False)])
+    assert shape.num_sampled == 30
+    # Each row is the output head's product: 2 x 576 x 49,152 FLOPs more than the chunk's own.
+    plain = BatchShape.from_seqs([(0, 30, 0, False)])
+    assert SMOL.linear_flops(30, 30) - SMOL.linear_flops(30, 0) == 30 * 2 * 576 * 49_152
+    assert cm.price(shape).flops - cm.price(plain).flops == 30 * 2 * 576 * 49_152
 
 
 # -- the command ---------------------------------------------------------------------------

@@ -119,6 +119,52 @@ def test_native_argmax_model_vocabulary():
 
 
 @needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    n=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    spread=st.sampled_from([0.1, 3.0, 40.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_score_rows_equals_torch(rows, n, dtype, spread, seed):
+    """Each row's log-softmax at its target and the target's rank, as PyTorch computes them
+    (logsumexp; 1 + the logits above it), over row lengths with and without a vector tail."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=g) * spread).to(dtype)
+    targets = torch.randint(0, n, (rows,), generator=g)
+    logprob, rank = torch.ops.quill.score_rows(x, targets)
+    want_logprob, want_rank = fused.score_reference(x, targets)
+    assert logprob.dtype == torch.float32 and rank.dtype == torch.long
+    torch.testing.assert_close(logprob, want_logprob, atol=2e-6 * spread + 1e-6, rtol=1e-6)
+    assert torch.equal(rank, want_rank)
+
+
+@needs_native
+def test_native_score_rows_model_vocabulary_and_specials():
+    x = torch.randn(8, 49152) * 5
+    x[1, :] = float("-inf")
+    x[1, 7] = 0.0  # one possible token: logprob 0, rank 1
+    x[2, 123] = float("nan")
+    x[3, 9] = float("-inf")  # the target barred
+    targets = torch.tensor([0, 7, 5, 9, 49151, 100, 2, 3])
+    logprob, rank = fused.score(x, targets)
+    want_logprob, want_rank = fused.score_reference(x, targets)
+    ok = [0, 1, 3, 4, 5, 6, 7]
+    torch.testing.assert_close(logprob[ok], want_logprob[ok], atol=1e-5, rtol=1e-6)
+    assert logprob[1] == 0 and rank[1] == 1
+    assert torch.isnan(logprob[2])  # a row holding NaN has no logprob
+    assert logprob[3] == float("-inf") and rank[3] == want_rank[3]
+    assert torch.equal(rank[ok], want_rank[ok])
+    # Strided rows (a view of the first 1000 logits) take the native path too.
+    view = x[:, :1000]
+    small = targets % 1000
+    torch.testing.assert_close(
+        fused.score(view, small)[0][ok], fused.score_reference(view, small)[0][ok]
+    )
+
+
+@needs_native
 def test_native_fused_ops_pass_opcheck():
     x, residual, weight = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
     torch.library.opcheck(torch.ops.quill.rms_norm.default, (x, weight, 1e-6))
@@ -131,6 +177,9 @@ def test_native_fused_ops_pass_opcheck():
         torch.ops.quill.silu_mul.default, (torch.randn(3, 32), torch.randn(3, 32))
     )
     torch.library.opcheck(torch.ops.quill.argmax_rows.default, (torch.randn(3, 50),))
+    torch.library.opcheck(
+        torch.ops.quill.score_rows.default, (torch.randn(3, 50), torch.tensor([0, 49, 7]))
+    )
 
 
 @needs_native

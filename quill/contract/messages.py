@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quill.contract.outputs import RequestMetrics
-from quill.contract.plan import RemoteKV, SampleLogprobs
+from quill.contract.plan import PromptLogprob, RemoteKV, SampleLogprobs
 from quill.contract.sampling_params import SamplingParams
 
 
@@ -79,6 +79,9 @@ class RequestUpdate:
     new_token_ids: list[int]
     metrics: RequestMetrics
     new_logprobs: list[SampleLogprobs] | None = None
+    # On a request's first update, once its prompt is scored: prompt tokens 1, 2, ...'s
+    # logprobs (sampling_params.prompt_logprobs).
+    prompt_logprobs: list[PromptLogprob] | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None

@@ -70,5 +70,10 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when finish_reason is "error"
+    # Asked for with sampling_params.prompt_logprobs: per prompt token its logprob and the top
+    # n, as generated tokens' (None for the first token, which nothing predicts), and its rank
+    # in the vocabulary (1: the model's most likely token there). Set once the prompt is in.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     # A prefill instance's leased request: where a decode instance fetches its prompt's KV.
     kv_transfer: RemoteKV | None = None

@@ -71,6 +71,11 @@ class SeqPlan:
     # Tokens guessed ahead (speculative decoding): `token_ids` ends with them, after the
     # request's last token; the sampler verifies them in this pass. None: none.
     draft_token_ids: list[int] | None = None
+    # Prompt logprobs (a request scoring its prompt): the prompt tokens this chunk's first rows
+    # score, in order (the row at position start + i gives the logprob of prompt token
+    # start + i + 1), and how many top tokens to report beside each. None: none.
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -86,10 +91,20 @@ class SeqPlan:
         return len(self.draft_token_ids) if self.draft_token_ids else 0
 
     @property
-    def num_logits(self) -> int:
-        """Rows of logits the step computes for this sequence: one per drafted position and
+    def num_sample_rows(self) -> int:
+        """Rows of logits the sampler takes for this sequence: one per drafted position and
         one more when it samples; none otherwise."""
         return 1 + self.num_drafts if self.samples else 0
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        return len(self.prompt_logprob_token_ids) if self.prompt_logprob_token_ids else 0
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits the step computes for this sequence: its prompt-scoring rows, then
+        its sample rows."""
+        return self.num_prompt_logprob_rows + self.num_sample_rows
 
     @property
     def is_decode(self) -> bool:
@@ -164,15 +179,22 @@ class StepPlan:
 
 # A sampled token's logprob, and the top n as (token id, logprob).
 SampleLogprobs = tuple[float, list[tuple[int, float]]]
+# A scored prompt token's logprob, its rank in the vocabulary (1: the most likely), and the
+# top n as (token id, logprob).
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
 @dataclass
 class StepResult:
     """What an executor returns: per sampling request the tokens it chose, in order (one; with
-    draft tokens, the accepted drafts and one more), and their logprobs where asked."""
+    draft tokens, the accepted drafts and one more), their logprobs where asked, and the
+    logprobs of the prompt tokens that sequences scored."""
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    # Per request scoring its prompt: the logprobs of the prompt tokens its sequence's
+    # `prompt_logprob_token_ids` named, in order.
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
     # Fetches (KVFetch) that ended since the last result: (bytes, seconds) of each that
     # arrived, and why each that failed did.
     kv_fetched: dict[str, tuple[int, float]] = field(default_factory=dict)

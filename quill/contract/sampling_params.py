@@ -34,7 +34,8 @@ class SamplingParams:
     """How to pick tokens and when to stop, shaped like vLLM's SamplingParams.
 
     A temperature below `GREEDY_TEMPERATURE` (0 included) means greedy. `top_k` may exceed the
-    vocabulary (no limit then). `max_tokens=None` lets the reply run to the model's context.
+    vocabulary (no limit then). `max_tokens=None` lets the reply run to the model's context;
+    `max_tokens=0` computes the prompt and generates nothing (scoring it with `prompt_logprobs`).
     """
 
     max_tokens: int | None = 16
@@ -50,6 +51,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the chosen one)
+    # The same for the prompt's tokens (vLLM's name): each one's logprob given the tokens
+    # before it, and the top n there; the first token has none.
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # keep a matched stop string at the text's end
     skip_special_tokens: bool = True  # leave special tokens out of the text
@@ -78,8 +82,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise bad(name, f"{name} must be a finite number, got {value}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise bad("max_tokens", f"max_tokens must be non-negative, got {self.max_tokens}")
         if self.temperature < 0:
             raise bad("temperature", f"temperature must be non-negative, got {self.temperature}")
         if not _MIN_POSITIVE <= self.top_p <= 1:
@@ -105,6 +109,10 @@ class SamplingParams:
                 raise bad(name, f"{name} must be in [-2, 2], got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad(
+                "prompt_logprobs", f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
+            )
         if self.min_tokens < 0:
             raise bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
         for token_id, bias in (self.logit_bias or {}).items():

@@ -97,8 +97,7 @@ class BatchShape:
             n = s.num_tokens
             tokens += n
             seqs_n += 1
-            if s.samples:
-                sampled += logits_rows(s)
+            sampled += logits_rows(s)
             if s.is_decode:
                 decode += n
             pairs += n * start + (n * (n + 1) >> 1)
@@ -107,12 +106,15 @@ class BatchShape:
 
 
 def logits_rows(seq) -> int:
-    """Rows of logits a plan's sequence computes: one per drafted position and one more when
-    it samples (SeqPlan.num_logits, for duck-typed plans too)."""
+    """Rows of logits a plan's sequence computes: one per prompt token it scores, one per
+    drafted position and one more when it samples (SeqPlan.num_logits, for duck-typed plans
+    too)."""
+    scored = getattr(seq, "prompt_logprob_token_ids", None)
+    rows = len(scored) if scored else 0
     if not seq.samples:
-        return 0
+        return rows
     drafts = getattr(seq, "draft_token_ids", None)
-    return 1 + len(drafts) if drafts else 1
+    return rows + (1 + len(drafts) if drafts else 1)
 
 
 def _pairs(start: int, n: int, window: int | None) -> int:

@@ -287,7 +287,8 @@ class ModelSpec:
 
     def linear_flops(self, num_tokens: int, num_sampled: int = 0) -> int:
         """Matmul FLOPs: every layer's weights for each token, and the lm_head only for the
-        rows that are sampled (the engine maps only those to logits)."""
+        rows mapped to logits (the engine maps only those: rows that sample, prompt rows a
+        request scores)."""
         if self.is_abstract:
             return 2 * self.num_params * num_tokens
         return 2 * self.linear_params * num_tokens + 2 * self.hidden_size * self.vocab_size * (

@@ -135,12 +135,17 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[list[int]]:
         """Each group's blocks holding the longest cached prefix of the request's tokens, short
-        of its last token (all of one length; a sliding group's blocks that its next token's
-        window does not reach are NULL_BLOCK). Changes nothing: `allocate_slots` takes them."""
+        of its last token and of what it may reuse (all of one length; a sliding group's
+        blocks that its next token's window does not reach are NULL_BLOCK). Changes nothing:
+        `allocate_slots` takes them."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.group_windows]
         lookup, key = self.pool.lookup, self._key
-        hashes = self.block_hashes(request, (request.num_tokens - 1) // self.block_size)
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        reusable = request.num_reusable_tokens
+        if reusable is not None:  # it scores its prompt: what it has not scored is computed
+            num_blocks = min(num_blocks, reusable // self.block_size)
+        hashes = self.block_hashes(request, num_blocks)
         found: list[list[int | None]] = [[] for _ in self.group_windows]
         limit = len(hashes)
         for g in self._global_groups:

@@ -86,10 +86,15 @@ class Request:
     # Speculative decoding: drafts verified for it, and those accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Prompt logprobs (sampling_params.prompt_logprobs): those of prompt tokens 1, 2, ...
+    # scored so far, chunk by chunk (PromptLogprob each); None when not asked for.
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if self.times is None:
             self.times = RequestTimes(arrival=self.arrival_time)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,6 +107,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_reusable_tokens(self) -> int | None:
+        """At most this many leading tokens may come from the prefix cache (None: any). A
+        request scoring its prompt computes every position it has not scored yet: a cached
+        block holds keys and values, not the logits its positions give."""
+        return None if self.prompt_scored else len(self.prompt_logprobs)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token but the first has its logprob (or none were asked for)."""
+        scored = self.prompt_logprobs
+        return scored is None or len(scored) >= len(self.prompt_token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

@@ -35,8 +35,9 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed for this request in this step
     start: int  # position of the first of them (num_computed_tokens before the step)
-    # The step reaches the request's last token, so a new token is sampled. Fixed when the
-    # request is scheduled: its token count changes only in `update`, after this is read.
+    # The step reaches the request's last token, so a new token is sampled (unless it asked
+    # for none: max_tokens 0). Fixed when the request is scheduled: its token count changes
+    # only in `update`, after this is read.
     samples: bool
     # Guessed tokens after the request's last one, verified in this step (then `num_tokens`
     # is 1 + their count); None: none.
@@ -45,7 +46,8 @@ class ScheduledRequest:
     @classmethod
     def of(cls, request: Request, num_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return cls(request, num_tokens, start, start + num_tokens == request.num_tokens)
+        last = start + num_tokens == request.num_tokens
+        return cls(request, num_tokens, start, last and request.max_tokens > 0)
 
 
 @dataclass
@@ -114,6 +116,17 @@ class Scheduler:
                 "prompt KV from a prefill instance cannot be taken by a model with "
                 f"{self.kv.num_groups} KV groups (sliding-window layers beside global ones)",
                 param="kv_transfer_params",
+            )
+        if request.prompt_logprobs is not None and request.remote_kv is not None:
+            raise InvalidRequestError(
+                "prompt logprobs need the prompt computed here, not its KV taken from a "
+                "prefill instance",
+                param="prompt_logprobs",
+            )
+        if request.kv_lease_s is not None and request.max_tokens == 0:
+            raise InvalidRequestError(
+                "a prefill instance's request must sample its first token (max_tokens 0)",
+                param="max_tokens",
             )
         if request.priority != 0 and self.policy != SchedulingPolicy.PRIORITY:
             raise InvalidRequestError(
@@ -215,7 +228,8 @@ class Scheduler:
                     continue  # request was preempted or finished; running[i] is the next one
             if caching and (start + n) % block_size < n:  # a block fills up in this step
                 kv.cache_blocks(request, start + n)
-            scheduled.append(ScheduledRequest(request, n, start, start + n == total))
+            samples = start + n == total and request.max_tokens > 0
+            scheduled.append(ScheduledRequest(request, n, start, samples))
             budget -= n
             i += 1
 
@@ -393,6 +407,11 @@ class Scheduler:
             else:
                 request.num_computed_tokens += s.num_tokens
             if not s.samples:
+                if request.max_tokens == 0 and request.num_computed_tokens >= len(
+                    request.prompt_token_ids
+                ):  # it asked for its prompt computed (scored), and no token
+                    self.finish_request(request.request_id, "length", None, now)
+                    finished.append(request)
                 continue
             advanced.append(request)
             for token in tokens:

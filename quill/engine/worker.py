@@ -280,6 +280,10 @@ class EngineWorker:
         logprobs = None
         if request.sampling_params.logprobs is not None and new_tokens:
             logprobs = out.logprobs.get(request_id)
+        # Sent once, with the first update (the first token, or the end of a scoring request).
+        scored = None
+        if request_id not in self._num_reported and request.prompt_scored:
+            scored = request.prompt_logprobs
         if final:
             self._num_reported.pop(request_id, None)
             cost = self._take_cost(request_id)
@@ -291,6 +295,7 @@ class EngineWorker:
             new_token_ids=new_tokens,
             metrics=request.metrics(cost),
             new_logprobs=logprobs,
+            prompt_logprobs=scored,
             finish_reason=request.finish_reason if final else None,
             stop_reason=request.stop_reason if final else None,
             error=request.error if final else None,

@@ -91,7 +91,8 @@ class InputProcessor:
         if num_prompt_tokens == 0:
             raise InvalidRequestError("prompt is empty", param="prompt")
         room = self.max_model_len - num_prompt_tokens
-        if room <= 0:
+        # A prompt that fills the context may still be computed (scored): it samples nothing.
+        if room < 0 or (room == 0 and params.max_tokens != 0):
             raise InvalidRequestError(
                 f"prompt has {num_prompt_tokens} tokens but the model's context is "
                 f"{self.max_model_len} tokens",

@@ -30,6 +30,8 @@ class _Tracked:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     num_sent_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 class OutputProcessor:
@@ -90,6 +92,8 @@ class OutputProcessor:
             finish_reason, stop_reason, tracked.params
         ):
             last_in_text -= 1
+        if update.prompt_logprobs is not None:
+            self._take_prompt_logprobs(tracked, update.prompt_logprobs)
         logprobs = update.new_logprobs
         for i, token in enumerate(new_tokens):
             tracked.token_ids.append(token)
@@ -111,6 +115,18 @@ class OutputProcessor:
         )
         out.kv_transfer = update.kv_lease
         return out
+
+    @staticmethod
+    def _take_prompt_logprobs(tracked: _Tracked, scored: list) -> None:
+        """As generated tokens' logprobs: {token id: logprob} with the prompt's own token in,
+        None for the first prompt token (nothing before it predicts it)."""
+        entries: list[dict[int, float] | None] = [None]
+        for token, (chosen, _, top) in zip(tracked.prompt_token_ids[1:], scored):
+            entry = dict(top)
+            entry[token] = chosen
+            entries.append(entry)
+        tracked.prompt_logprobs = entries
+        tracked.prompt_logprob_ranks = [None] + [rank for _, rank, _ in scored]
 
     def _output(
         self,
@@ -145,6 +161,8 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             error=error,
+            prompt_logprobs=tracked.prompt_logprobs,
+            prompt_logprob_ranks=tracked.prompt_logprob_ranks,
         )
 
 

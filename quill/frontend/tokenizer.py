@@ -78,6 +78,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_offsets(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Where each of `text`'s tokens starts in it, in characters (a token added by the
+        tokenizer, such as BOS, at 0)."""
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return [start for start, _ in encoding.offsets]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

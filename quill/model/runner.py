@@ -3,24 +3,26 @@
 It owns the model, the KV cache tensors, the attention workspaces and the sampler. A step is
 two calls: `forward` lays the scheduled tokens out flat (one-query rows first, no padding),
 builds the attention layout for the paged cache, runs one pass with both passed in and maps
-only the rows that sample to logits; `sample` takes those logits with each row's sampling
-inputs (parameters, history, token mask) and picks the tokens, or, for a sequence that carries
-drafts (speculative decoding), takes the logits of each drafted position and one more and
-keeps the drafts the model agrees with, plus one token. Between the two is where a token mask
-is made.
+only the rows that sample to logits (and scores the prompt rows of requests that asked for
+prompt logprobs, quill/model/prompt_logprobs.py); `sample` takes those logits with each row's
+sampling inputs (parameters, history, token mask) and picks the tokens, or, for a sequence that
+carries drafts (speculative decoding), takes the logits of each drafted position and one more
+and keeps the drafts the model agrees with, plus one token. Between the two is where a token
+mask is made.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from quill.contract.plan import SeqPlan, StepPlan, StepResult
+from quill.contract.plan import PromptLogprob, SeqPlan, StepPlan, StepResult
 from quill.model.attention import AttentionLayout, native_supported
 from quill.model.llama import LlamaForCausalLM
+from quill.model.prompt_logprobs import score_rows
 from quill.model.sampler import Sampler, SampleResult
 from quill.ops import memory
 from quill.ops.reference import kv_cache_shapes
@@ -33,8 +35,10 @@ class ForwardOutput:
     """A pass's logits: per sampling sequence in `rows` order, its `num_logits` rows (one; a
     sequence with drafts: one per drafted position and one more)."""
 
-    logits: torch.Tensor | None  # [sum of num_logits, vocab]; None when nothing samples
+    logits: torch.Tensor | None  # [sum of num_sample_rows, vocab]; None when nothing samples
     rows: list[SeqPlan]
+    # Per sequence that scored prompt tokens: their logprobs, in order.
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -174,7 +178,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampling: list[SeqPlan] = []
         chunks: list[SeqPlan] = []
+        scoring: list[tuple[SeqPlan, int]] = []  # (sequence, its first row)
         for s in seqs:
+            if s.prompt_logprob_token_ids:
+                scoring.append((s, len(input_ids)))
             input_ids.extend(s.token_ids)
             if s.is_single_query:
                 single_positions.append(s.start)
@@ -197,23 +204,51 @@ class ModelRunner:
         pos = pos.to(dev)
         layer_metas = [metas[g] for g in self.kv_groups.layer_groups]
         hidden = self.forward(ids, pos, self.kv_caches, layer_metas)
-        if not sample_rows or not self.computes_logits:
+        if not self.computes_logits:
             return ForwardOutput(None, [])
+        scored = self._score_prompts(hidden, scoring) if scoring else {}
+        if not sample_rows:
+            return ForwardOutput(None, [], scored)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return ForwardOutput(self.model.compute_logits(hidden[rows]), sampling)
+        return ForwardOutput(self.model.compute_logits(hidden[rows]), sampling, scored)
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, scoring: list[tuple[SeqPlan, int]]
+    ) -> dict[str, list[PromptLogprob]]:
+        """The prompt logprobs of every scoring sequence's rows, in one pass over the head."""
+        rows, targets = [], []
+        for s, first in scoring:
+            rows.extend(range(first, first + s.num_prompt_logprob_rows))
+            targets.extend(s.prompt_logprob_token_ids)
+        dev = self.device
+        num_top = max(s.prompt_logprobs for s, _ in scoring)
+        entries = score_rows(
+            self.model.compute_logits,
+            hidden[torch.tensor(rows, dtype=torch.long, device=dev)],
+            torch.tensor(targets, dtype=torch.long, device=dev),
+            num_top,
+            self.config.vocab_size,
+        )
+        scored, i = {}, 0
+        for s, _ in scoring:
+            n, k = s.num_prompt_logprob_rows, s.prompt_logprobs
+            mine = entries[i : i + n]
+            scored[s.request_id] = mine if k == num_top else [(a, b, c[:k]) for a, b, c in mine]
+            i += n
+        return scored
 
     @torch.inference_mode()
     def sample(self, forward: ForwardOutput) -> StepResult:
         """Pick each sampling row's tokens from its logits and its sampling inputs."""
         if forward.logits is None:
-            return StepResult({}, {})
+            return StepResult({}, {}, forward.prompt_logprobs)
         rows = forward.rows
         if any(s.draft_token_ids for s in rows):
             tokens, token_logprobs = self.sampler.verify(forward.logits, rows)
             sampled = {s.request_id: t for s, t in zip(rows, tokens)}
             logprobs = {s.request_id: lp for s, lp in zip(rows, token_logprobs) if lp is not None}
-            return StepResult(sampled, logprobs)
+            return StepResult(sampled, logprobs, forward.prompt_logprobs)
         result: SampleResult = self.sampler(forward.logits, rows)
         sampled = {s.request_id: [t] for s, t in zip(rows, result.token_ids)}
         logprobs = {s.request_id: [lp] for s, lp in zip(rows, result.logprobs) if lp is not None}
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, forward.prompt_logprobs)

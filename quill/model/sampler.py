@@ -74,10 +74,10 @@ class Sampler:
     ) -> tuple[list[list[int]], list[list[SampleLogprobs] | None]]:
         """Per request its tokens: the drafts the model accepts (quill/model/spec_verify.py)
         and one more, or one token for a request without drafts; and their logprobs where
-        asked. `logits` holds each request's `num_logits` rows in order. The scheduler gives
+        asked. `logits` holds each request's `num_sample_rows` rows in order. The scheduler gives
         drafts only where every drafted position is processed alike (no penalties, token
         masks or min_tokens yet to reach), so each row is prepared as its request's."""
-        counts = [r.num_logits for r in requests]
+        counts = [r.num_sample_rows for r in requests]
         expanded = [r for r, c in zip(requests, counts) for _ in range(c)]
         raw = logits.float()
         prepared = prepare_logits(raw, expanded, self.end_token_ids)

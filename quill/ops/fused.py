@@ -1,6 +1,6 @@
-"""A decoder layer's small operations (and the sampler's argmax): one native op each where the
-library runs, else the PyTorch sequence they replace (the reference the native ops are tested
-against).
+"""A decoder layer's small operations (and the sampler's argmax, and scoring prompt rows): one
+native op each where the library runs, else the PyTorch sequence they replace (the reference the
+native ops are tested against).
 
 At a small batch these cost their operators, not their arithmetic: PyTorch runs RMSNorm as
 ~8 operators and the rotary embedding as ~12, a few microseconds each, ~1,200 per step of the
@@ -89,3 +89,29 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if native and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
         return torch.ops.quill.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def score(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's log-softmax at its target (fp32) and the target's rank (1 + the logits above
+    it): natively for fp32 and bf16 rows on the CPU (csrc/logprobs.cpp; PyTorch's reduction
+    cost as much as the output head's product here), else `score_reference`."""
+    native = (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and library.load() is not None
+    )
+    if native and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1:
+        return torch.ops.quill.score_rows(logits, targets.contiguous())
+    return score_reference(logits, targets)
+
+
+def score_reference(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`score` in PyTorch: the reference the native op is tested against, and its fallback."""
+    x = logits.float()
+    target_logits = x.gather(1, targets[:, None])
+    logprob = (target_logits - x.logsumexp(dim=-1, keepdim=True)).squeeze(1)
+    # Summed as int32: summing booleans to int64 takes twice as long.
+    rank = torch.sum(x > target_logits, dim=-1, dtype=torch.int32).long() + 1
+    return logprob, rank

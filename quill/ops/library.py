@@ -37,6 +37,7 @@ SOURCES = (
     "fused.cpp",
     "layer.cpp",
     "argmax.cpp",
+    "logprobs.cpp",
 )
 HEADERS = ("ops.h", "vec.h", "gemm.h", "cache_layout.h")
 

@@ -9,8 +9,9 @@ its start. One request id (X-Request-Id) names the request on the router and bot
 
 What the split cannot carry goes whole to one instance (a decode instance can do both phases):
 several prompts or choices, echo, logprobs (the decode instance has no logprobs for a token it
-did not sample), tool calls (a stream's first token is the start of the call's JSON, which
-only the instance that writes the whole reply can read as a call).
+did not sample), prompt logprobs and max_tokens 0 (scoring a prompt is a prefill), tool calls
+(a stream's first token is the start of the call's JSON, which only the instance that writes
+the whole reply can read as a call).
 """
 
 from __future__ import annotations
@@ -35,12 +36,16 @@ def splittable(path: str, body: dict) -> bool:
     """Whether the split can carry this request (else it goes whole to one instance)."""
     if body.get("n") not in (None, 1) or body.get("echo") or body.get("logprobs"):
         return False
-    if body.get("top_logprobs") or body.get("prompt_logprobs"):
+    # prompt_logprobs 0 asks for something too (each prompt token's own logprob).
+    if body.get("top_logprobs") or body.get("prompt_logprobs") is not None:
         return False
     if body.get("tools") and body.get("tool_choice") != "none":
         return False
-    if (body.get("max_completion_tokens") or body.get("max_tokens")) == 1:
-        return False  # the prefill instance's reply is the whole reply
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
+    if limit in (0, 1):
+        return False  # the prefill instance's reply is the whole reply (0: the prompt alone)
     if path == COMPLETIONS:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

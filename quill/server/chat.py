@@ -23,6 +23,7 @@ from quill.server.generation import (
     unless_disconnected,
 )
 from quill.server.kv_transfer import kv_transfer
+from quill.server.logprobs import vllm_prompt_logprobs
 from quill.server.protocol import ChatCompletionRequest
 from quill.server.tools import ToolCalls
 
@@ -51,10 +52,17 @@ async def create_chat_completion(
     def encode() -> list[int]:
         return req.truncate(encode_chat(tok, messages, add_gen), ctx.max_model_len)
 
-    kv = kv_transfer(ctx, req.kv_transfer_params, 1, req.num_choices, bool(req.stream))
+    stream = bool(req.stream)
+    kv = kv_transfer(
+        ctx, req.kv_transfer_params, 1, req.num_choices, stream, False, req.scores_prompt
+    )
     prompt = await asyncio.to_thread(encode)
     # No default cap for chat: the reply may run to the end of the context, as with OpenAI.
-    params = [req.sampling_params(None, req.num_logprobs, j) for j in range(req.num_choices)]
+    # The prompt is scored once (vLLM's prompt_logprobs: the conversation's, one for all).
+    params = [
+        req.sampling_params(None, req.num_logprobs, j, req.prompt_logprobs if j == 0 else None)
+        for j in range(req.num_choices)
+    ]
     scheduling = req.scheduling()
     if kv is not None:
         params = [kv.sampling_params(p) for p in params]
@@ -62,6 +70,7 @@ async def create_chat_completion(
     gen = Generation(ctx, ctx.request_id(raw.headers, "chatcmpl"), arrival_time)
     await gen.submit([prompt], params, scheduling)
     fmt = _Formatter(gen, model, tok, req.top_logprobs or 0, req.tool_choice_made)
+    fmt.prompt = (prompt, req.prompt_logprobs)
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
         return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
@@ -83,6 +92,7 @@ class _Formatter:
         # Under a tool choice each choice's text is read as calls (or a text answer).
         self.tools = None if tools is None else [ToolCalls(tools) for _ in range(gen.num_choices)]
         self.head = {"id": gen.request_id, "created": int(time.time()), "model": model}
+        self.prompt: tuple[list[int], int | None] = ([], None)  # ids, prompt_logprobs' top n
 
     def _logprobs(self, token_ids: list[int], entries: list[TokenLogprobs] | None):
         if entries is None:
@@ -126,13 +136,14 @@ class _Formatter:
                     "stop_reason": c.stop_reason,
                 }
             )
-        return {
-            **self.head,
-            "object": "chat.completion",
-            "choices": choices,
-            "usage": self.gen.usage(),
-            "metrics": self.gen.timings(),
-        }
+        reply = {**self.head, "object": "chat.completion", "choices": choices}
+        token_ids, top_n = self.prompt
+        scored = self.gen.finished[0]
+        if top_n is not None and scored.prompt_logprobs is not None:
+            reply["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tok, token_ids, scored.prompt_logprobs, scored.prompt_logprob_ranks, top_n
+            )
+        return {**reply, "usage": self.gen.usage(), "metrics": self.gen.timings()}
 
     def _chunk(self, choice: dict) -> dict:
         return {**self.head, "object": "chat.completion.chunk", "choices": [choice]}

@@ -1,4 +1,11 @@
-"""POST /v1/completions: text completion, streamed or not, with echo and legacy logprobs."""
+"""POST /v1/completions: text completion, streamed or not, with echo and legacy logprobs.
+
+Echo with logprobs scores the prompt (the engine's prompt logprobs): the choice's `logprobs`
+then covers the echoed prompt's tokens, the first with a null logprob, before the generated
+ones; with max_tokens 0 nothing is generated and the prompt alone comes back, scored, which is
+how evaluation harnesses (lm-evaluation-harness's local-completions) ask for loglikelihoods.
+vLLM's `prompt_logprobs` field gives the same numbers in vLLM's shape, per choice.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +16,12 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from quill.contract.outputs import RequestOutput, TokenLogprobs
+from quill.contract.outputs import RequestOutput
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
-from quill.server.generation import (
-    Generation,
-    event_stream,
-    json_logprob,
-    sse,
-    token_text,
-    unless_disconnected,
-)
+from quill.server.generation import Generation, event_stream, sse, unless_disconnected
 from quill.server.kv_transfer import kv_transfer
+from quill.server.logprobs import TextOffsets, join, legacy_logprobs, vllm_prompt_logprobs
 from quill.server.protocol import CompletionRequest
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -42,21 +43,29 @@ async def create_completion(
         ids = [tok.encode(p, special) if isinstance(p, str) else list(p) for p in prompts]
         return [req.truncate(i, ctx.max_model_len) for i in ids]
 
-    def echo_texts() -> list[str]:  # token ids are known to be in the vocabulary by now
-        return [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts]
-
     n = req.num_choices
-    kv = kv_transfer(ctx, req.kv_transfer_params, len(prompts), n, bool(req.stream), req.echo)
+    scoring = req.max_tokens_asked == 0 or req.prompt_logprobs is not None
+    kv = kv_transfer(
+        ctx, req.kv_transfer_params, len(prompts), n, bool(req.stream), req.echo, scoring
+    )
     token_prompts = await asyncio.to_thread(encode)
-    params = [req.sampling_params(_DEFAULT_MAX_TOKENS, req.logprobs, j) for j in range(n)]
+    num_scored = req.num_prompt_logprobs
+    params = [
+        req.sampling_params(_DEFAULT_MAX_TOKENS, req.logprobs, j, num_scored) for j in range(n)
+    ]
     scheduling = req.scheduling()
     if kv is not None:
         params = [kv.sampling_params(p) for p in params]
         scheduling |= kv.scheduling()
     gen = Generation(ctx, ctx.request_id(raw.headers, "cmpl"), arrival_time)
-    await gen.submit(token_prompts, params, scheduling)
-    echoes = await asyncio.to_thread(echo_texts) if req.echo else [""] * len(prompts)
-    fmt = _Formatter(gen, model, tok, [echoes[i // n] for i in range(gen.num_choices)])
+    echo_scored = bool(req.echo) and req.logprobs is not None
+    await gen.submit(
+        token_prompts, params, scheduling, "logprobs" if echo_scored else "prompt_logprobs"
+    )
+    echoes = [_Echo(tok, p, ids, special, echo_scored) for p, ids in zip(prompts, token_prompts)]
+    if req.echo:
+        await asyncio.to_thread(lambda: [e.render() for e in echoes])
+    fmt = _Formatter(gen, model, tok, req, [echoes[i // n] for i in range(gen.num_choices)])
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
         return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
@@ -66,14 +75,64 @@ async def create_completion(
     return reply
 
 
+class _Echo:
+    """A prompt as a choice echoes it: its text (the text sent, or its token ids decoded) and,
+    when scored, where each of its tokens starts in that text."""
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        prompt: str | list[int],
+        token_ids: list[int],
+        special: bool,
+        with_offsets: bool,
+    ) -> None:
+        self.tok = tok
+        self.prompt = prompt
+        self.token_ids = token_ids
+        self.special = special
+        self.with_offsets = with_offsets
+        self.text = ""
+        self.offsets: list[int] = []
+
+    def render(self) -> None:
+        """Token ids are known to be in the vocabulary by now (the engine took them)."""
+        p, tok = self.prompt, self.tok
+        if isinstance(p, str):
+            self.text = p
+            if self.with_offsets:
+                self.offsets = tok.token_offsets(p, self.special)
+        else:
+            self.text = tok.decode(p)
+            if self.with_offsets:
+                self.offsets = TextOffsets(tok, [], True).add(p)
+        # A prompt truncated to its last tokens echoes whole: its tokens' offsets are the last.
+        self.offsets = self.offsets[len(self.offsets) - len(self.token_ids) :]
+
+
 class _Formatter:
     """Builds OpenAI `text_completion` objects from engine outputs."""
 
-    def __init__(self, gen: Generation, model: str, tok: Tokenizer, echoes: list[str]) -> None:
+    def __init__(
+        self,
+        gen: Generation,
+        model: str,
+        tok: Tokenizer,
+        req: CompletionRequest,
+        echoes: list[_Echo],
+    ) -> None:
         self.gen = gen
         self.tok = tok
+        self.echo = bool(req.echo)
         self.echoes = echoes
-        self.offsets = [len(e) for e in echoes]  # text_offset of the next token, per choice
+        self.top_n = req.logprobs  # None: no legacy logprobs
+        self.prompt_top_n = req.prompt_logprobs  # None: no vLLM prompt_logprobs
+        skip = req.skip_special_tokens is not False
+        # Where each choice's generated tokens start in its text, token by token.
+        self.offsets = [
+            TextOffsets(tok, e.token_ids[-5:], skip, len(e.text) if self.echo else 0)
+            for e in echoes
+        ]
         self.head = {
             "id": gen.request_id,
             "object": "text_completion",
@@ -81,40 +140,52 @@ class _Formatter:
             "model": model,
         }
 
-    def _logprobs(self, index: int, token_ids: list[int], entries: list[TokenLogprobs] | None):
-        if entries is None:
+    def _logprobs(self, index: int, out: RequestOutput, token_ids, entries, first: bool):
+        """The legacy logprobs of these generated tokens, after the echoed prompt's when
+        `first`."""
+        if self.top_n is None:
             return None
-        tokens, chosen, top, offsets = [], [], [], []
-        for tid, entry in zip(token_ids, entries):
-            text = token_text(self.tok, tid)
-            tokens.append(text)
-            chosen.append(json_logprob(entry.get(tid)))
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-            top.append({token_text(self.tok, t): json_logprob(lp) for t, lp in ranked})
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": chosen,
-            "top_logprobs": top,
-            "text_offset": offsets,
+        generated = None
+        if entries is not None:
+            offsets = self.offsets[index].add(token_ids)
+            generated = legacy_logprobs(self.tok, token_ids, entries, offsets, self.top_n)
+        if not (first and self.echo) or out.prompt_logprobs is None:
+            return generated
+        echo = self.echoes[index]
+        prompt = legacy_logprobs(
+            self.tok, echo.token_ids, out.prompt_logprobs, echo.offsets, self.top_n
+        )
+        return join(prompt, generated)
+
+    def _choice(self, index: int, out: RequestOutput, text: str, logprobs) -> dict:
+        c = out.outputs[0]
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
         }
+        if self.prompt_top_n is not None and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tok,
+                self.echoes[index].token_ids,
+                out.prompt_logprobs,
+                out.prompt_logprob_ranks,
+                self.prompt_top_n,
+            )
+        return choice
 
     async def collect(self) -> dict:
         async for _ in self.gen.outputs():
             pass
         choices = []
         for index in range(self.gen.num_choices):
-            c = self.gen.finished[index].outputs[0]
-            choices.append(
-                {
-                    "index": index,
-                    "text": self.echoes[index] + c.text,
-                    "logprobs": self._logprobs(index, c.token_ids, c.logprobs),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
+            out = self.gen.finished[index]
+            c = out.outputs[0]
+            text = (self.echoes[index].text if self.echo else "") + c.text
+            logprobs = self._logprobs(index, out, c.token_ids, c.logprobs, True)
+            choices.append(self._choice(index, out, text, logprobs))
         return {
             **self.head,
             "choices": choices,
@@ -126,9 +197,9 @@ class _Formatter:
         started: set[int] = set()
         async for index, out in self.gen.outputs():
             chunk = self._chunk(index, out, index not in started)
-            started.add(index)
             if chunk is None:
                 continue
+            started.add(index)
             if continuous_usage:
                 chunk["usage"] = self.gen.usage()
             if self.gen.done and not include_usage:
@@ -146,15 +217,8 @@ class _Formatter:
 
     def _chunk(self, index: int, out: RequestOutput, first: bool) -> dict | None:
         c = out.outputs[0]
-        text = (self.echoes[index] if first else "") + c.delta_text
-        logprobs = self._logprobs(index, c.delta_token_ids, c.delta_logprobs)
+        text = (self.echoes[index].text if first and self.echo else "") + c.delta_text
+        logprobs = self._logprobs(index, out, c.delta_token_ids, c.delta_logprobs, first)
         if not text and logprobs is None and not c.finished:
             return None  # text held back (a stop string may be forming): nothing to send yet
-        choice = {
-            "index": index,
-            "text": text,
-            "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        return {**self.head, "choices": [choice]}
+        return {**self.head, "choices": [self._choice(index, out, text, logprobs)]}

@@ -20,9 +20,11 @@ class ServerContext:
     served_model_names: list[str]
     api_key: str | None = None
     # Limits: sequences waiting (every prompt x n counts), sequences one request may add,
-    # body bytes, and seconds a body may stall.
+    # prompt tokens one request may have scored (each an entry of its reply), body bytes, and
+    # seconds a body may stall.
     max_queued_requests: int | None = None
     max_seqs_per_request: int = 256
+    max_prompt_logprobs_tokens: int = 16384
     max_request_bytes: int = 4 << 20
     request_body_timeout: float = 30.0
     metrics_require_key: bool = False
@@ -90,6 +92,18 @@ class ServerContext:
                 "server_error",
                 code="overloaded",
                 headers={"Retry-After": "1"},
+            )
+
+    def check_prompt_logprobs(self, num_tokens: int, param: str) -> None:
+        """400 when a request asks for the logprobs of more prompt tokens than the bound: the
+        reply would hold an entry for each (and the engine the logits of each row)."""
+        if num_tokens > self.max_prompt_logprobs_tokens:
+            raise APIError(
+                400,
+                f"This request asks for the logprobs of {num_tokens} prompt tokens (its prompts "
+                f"x n); the server scores at most {self.max_prompt_logprobs_tokens} a request "
+                "(--max-prompt-logprobs-tokens).",
+                param=param,
             )
 
     def request_id(self, headers, prefix: str) -> str:

@@ -49,9 +49,11 @@ class Generation:
         prompts: Sequence[list[int]],
         params: Sequence[SamplingParams],
         scheduling: dict | None = None,
+        scoring_param: str = "prompt_logprobs",
     ) -> None:
         """Add len(prompts) * len(params) engine requests; all or none (InvalidRequestError).
-        `scheduling`: priority, cache_salt and ttft_slo, as the engine's add_request takes them."""
+        `scheduling`: priority, cache_salt and ttft_slo, as the engine's add_request takes them;
+        `scoring_param`: the field named when too many prompt tokens are to be scored."""
         # A request that can never be served is a 400 whatever the load: every one is checked
         # (quill.frontend.inputs) before the queue is asked for room.
         inputs = self.ctx.engine.inputs
@@ -66,6 +68,10 @@ class Generation:
                     )
                 )
         self.ctx.check_capacity(len(requests), "prompt" if len(prompts) > 1 else "n")
+        scoring = [r for r in requests if r.sampling_params.prompt_logprobs is not None]
+        if scoring:
+            num_scored = sum(len(r.prompt_token_ids) for r in scoring)
+            self.ctx.check_prompt_logprobs(num_scored, scoring_param)
         self.engine_ids = [r.request_id for r in requests]
         try:
             await self.ctx.engine.add(requests, None, self.queue)

@@ -68,6 +68,7 @@ def kv_transfer(
     n: int,
     stream: bool,
     echo: bool = False,
+    scores_prompt: bool = False,
 ) -> KVTransfer | None:
     """The request's disaggregation, checked against this instance's role; 400 else."""
     if params is None or not (params.do_remote_decode or params.do_remote_prefill):
@@ -83,6 +84,12 @@ def kv_transfer(
     if num_prompts != 1 or n != 1 or echo:
         raise bad_request(
             "kv_transfer_params carry one sequence: one prompt, n = 1, no echo", _PARAM
+        )
+    if scores_prompt:
+        raise bad_request(
+            "kv_transfer_params carry a generated reply: not prompt_logprobs or max_tokens 0 "
+            "(scoring a prompt is one instance's prefill)",
+            _PARAM,
         )
     if params.do_remote_decode:
         if stream:

@@ -19,7 +19,7 @@ would cost more than the token.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -52,8 +52,6 @@ UNSUPPORTED: dict[str, str] = {
     "use_beam_search": "beam search is not supported",
     "bad_words": "bad_words is not supported",
     "allowed_token_ids": "allowed_token_ids is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported: the engine does not compute "
-    "logprobs of prompt tokens",
     "logits_processors": "logits_processors are not supported",
     "prediction": "predicted outputs are not supported",
     "audio": "audio output is not supported",
@@ -63,7 +61,7 @@ UNSUPPORTED: dict[str, str] = {
 
 
 def _asks_for_something(value: Any) -> bool:
-    # Identity for None and False: 0 is a request too (prompt_logprobs=0 asks for the chosen ones).
+    # Identity for None and False: 0 is a request too (logprobs=0 asks for the chosen ones).
     return not (value is None or value is False or value in ("", [], {}))
 
 
@@ -145,8 +143,9 @@ class _SamplingRequest(_Lenient):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # optional as in vLLM and llama.cpp: defaults to the served model
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    # 0: the prompt computed and scored, nothing generated (with echo or prompt_logprobs).
+    max_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     # Any k at or past the vocabulary means no limit; -1 and 0 mean none either (vLLM).
@@ -187,6 +186,8 @@ class _SamplingRequest(_Lenient):
     _constraint: Constraint | None = PrivateAttr(None)
     # OpenAI's: token id (as a JSON key) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
+    # vLLM's: each prompt token's logprob and the top n there (not streamed, as in vLLM).
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # Accepted and ignored, as they change nothing about what is generated.
     user: str | None = None
     store: bool | None = None
@@ -200,6 +201,16 @@ class _SamplingRequest(_Lenient):
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+            )
+        if self.max_tokens_asked == 0 and not self.scores_prompt:
+            raise InvalidRequestError(
+                "max_tokens 0 generates nothing: it asks for the prompt scored, with "
+                + self._scoring_fields,
+                param="max_tokens",
+            )
         if self.truncate_prompt_tokens == 0:
             raise InvalidRequestError(
                 "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
@@ -207,6 +218,20 @@ class _SamplingRequest(_Lenient):
         fields = {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
         self._constraint = constraint_of(fields)
         return self
+
+    _scoring_fields: ClassVar[str] = "prompt_logprobs"  # what max_tokens 0 needs beside it
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The reply holds the prompt's own logprobs."""
+        return self.prompt_logprobs is not None
+
+    @property
+    def max_tokens_asked(self) -> int | None:
+        """max_completion_tokens, else max_tokens (0 is an answer: the prompt alone)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     @property
     def num_choices(self) -> int:
@@ -237,10 +262,17 @@ class _SamplingRequest(_Lenient):
         return token_ids[-k:] if len(token_ids) > k else token_ids
 
     def sampling_params(
-        self, default_max_tokens: int | None, logprobs: int | None, index: int
+        self,
+        default_max_tokens: int | None,
+        logprobs: int | None,
+        index: int,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """Params of choice `index`; seeded choices get seed + index so they differ."""
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        """Params of choice `index`; seeded choices get seed + index so they differ.
+        `prompt_logprobs`: the top n to score the prompt with (None: none)."""
+        max_tokens = self.max_tokens_asked
+        if max_tokens is None:
+            max_tokens = default_max_tokens
         seed = None if self.seed is None else self.seed + index
         if seed is not None and seed > _SEED_MAX:
             raise InvalidRequestError("seed + n - 1 is out of range", param="seed")
@@ -258,6 +290,7 @@ class _SamplingRequest(_Lenient):
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             min_tokens=self.min_tokens or 0,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=self.skip_special_tokens is not False,
@@ -291,10 +324,23 @@ class CompletionRequest(_SamplingRequest):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if self.best_of is not None and self.best_of != self.num_choices:
             raise InvalidRequestError("best_of is not supported (it must equal n)", param="best_of")
-        if self.echo and self.logprobs is not None:
-            # Echoed prompt tokens need prompt logprobs, which the engine does not compute.
-            raise InvalidRequestError("echo together with logprobs is not supported", param="echo")
         return self
+
+    _scoring_fields: ClassVar[str] = "echo or prompt_logprobs"
+
+    @property
+    def scores_prompt(self) -> bool:
+        return bool(self.echo) or self.prompt_logprobs is not None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The top n the engine scores the prompt with: vLLM's prompt_logprobs, and the
+        logprobs of echoed prompt tokens (echo with logprobs)."""
+        wanted = [self.prompt_logprobs]
+        if self.echo and self.logprobs is not None:
+            wanted.append(self.logprobs)
+        wanted = [n for n in wanted if n is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (one text or one list of token ids each)."""

@@ -57,6 +57,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="most sequences (prompts x n) one request may ask for; past it, 400",
     )
     parser.add_argument(
+        "--max-prompt-logprobs-tokens",
+        type=int,
+        default=16384,
+        help="most prompt tokens one request may ask logprobs of (echo with logprobs, "
+        "prompt_logprobs; its prompts x n together): each is an entry of the reply; past it, 400",
+    )
+    parser.add_argument(
         "--max-request-bytes",
         type=parse_bytes,
         default=4 << 20,
@@ -223,6 +230,7 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         api_key=args.api_key or None,
         max_queued_requests=args.max_queued_requests,
         max_seqs_per_request=args.max_seqs_per_request,
+        max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
         max_request_bytes=args.max_request_bytes,
         request_body_timeout=args.request_body_timeout,
         metrics_require_key=args.metrics_require_key,
@@ -247,7 +255,9 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of `quill serve`; returns the process exit code."""
-    for flag in ("max_queued_requests", "max_seqs_per_request", "max_request_bytes"):
+    flags = ("max_queued_requests", "max_seqs_per_request", "max_prompt_logprobs_tokens",
+             "max_request_bytes")  # fmt: skip
+    for flag in flags:
         value = getattr(args, flag)
         if value is not None and value < 1:
             name = flag.replace("_", "-")

@@ -32,6 +32,7 @@ SERVER_ARGS = [
     "--api-key", API_KEY,
     "--max-queued-requests", "64",
     "--max-seqs-per-request", "32",
+    "--max-prompt-logprobs-tokens", "1024",
     "--max-request-bytes", "1MiB",
     "--request-body-timeout", "2",
     "--enable-api-docs",

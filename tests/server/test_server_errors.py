@@ -66,7 +66,12 @@ def check_error(r: httpx.Response, status: int, param: str | None = "unset") -> 
         (CHAT, {"messages": USER, "max_completion_tokens": 9000}, "max_tokens"),
         (COMPLETIONS, {"prompt": [100] * 8192, "max_tokens": 1}, "prompt"),
         # unsupported
-        (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        # prompt logprobs: bounded, not streamed (as in vLLM), max_tokens 0 only to score
+        (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        (COMPLETIONS, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        (CHAT, {"messages": USER, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+        (CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
         (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools"),
     ],
 )

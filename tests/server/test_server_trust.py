@@ -47,7 +47,7 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(http, greedy, caplog):
     "path, field, value",
     [
         (COMPLETIONS, "suffix", "end"),
-        (COMPLETIONS, "prompt_logprobs", 0),
+        (COMPLETIONS, "bad_words", ["x"]),
         (COMPLETIONS, "use_beam_search", True),
         (CHAT, "functions", [{"name": "f"}]),
         (CHAT, "function_call", "auto"),
@@ -65,7 +65,7 @@ def test_known_unsupported_fields_are_refused(http, path, field, value):
     [
         ("logit_bias", {}),
         ("use_beam_search", False),
-        ("prompt_logprobs", None),
+        ("allowed_token_ids", []),
         ("tools", []),  # openai-python's recorded chat body carries one
         ("tool_choice", "none"),
         ("parallel_tool_calls", True),
