@@ -54,7 +54,8 @@ def _plan() -> StepPlan:
     seqs = [
         SeqPlan("a", [1], 10, 10, [[0]], True),  # a decode after 10 tokens
         SeqPlan("b", [1] * 6, 0, 6, [[1]], True),  # a whole 6-token prompt
-        SeqPlan("c", [1] * 4, 4, 12, [[2]], False),  # a middle chunk: samples nothing
+        # A middle chunk that samples nothing but scores its rows (prompt logprobs).
+        SeqPlan("c", [1] * 4, 4, 12, [[2]], False, prompt_logprob_token_ids=[1] * 4),
     ]
     return StepPlan(0, seqs)
 
@@ -78,6 +79,8 @@ def test_shares_add_up_to_the_step_and_split_the_weights():
     assert charges["a"].bytes_moved == pytest.approx(
         weight_bytes / 3 + 12 * kv_per_token + model.activation_bytes(1, 1)
     )
+    # "c"'s 4 scored rows are 4 rows of the output head, charged to it.
+    assert charges["c"].flops >= model.linear_flops(4, 0) + 4 * 2 * LM_HEAD_PARAMS
     # The step is movement-bound here, so dollars follow bytes.
     assert step.bound == "movement"
     assert charges["a"].cost_usd == pytest.approx(0.5 * charges["a"].bytes_moved / step.bytes_moved)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.config import cache_dir
+from quill.cost.batch import logits_rows
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import ModelSpec
 from quill.cost.step import CostModel, StepCost
@@ -80,8 +81,8 @@ class CostAccountant:
         shares = []
         for s in plan.seqs:
             n = len(s.token_ids)
-            sampled = 1 if s.samples else 0
-            one = model.shape_of_seqs([(s.start, n, s.samples, n == 1)])
+            sampled = logits_rows(s)  # its rows of logits: sampled, drafted and scored ones
+            one = model.shape_of_seqs([(s.start, n, sampled, n == 1)])
             flops = model.linear_flops(n, sampled) + model.attention_flops(one.attention_pairs)
             moved = (
                 weight_share
