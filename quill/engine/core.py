@@ -21,6 +21,7 @@ from quill.contract.messages import SpecDecodeStats, StepStats
 from quill.contract.plan import Executor, KVFetch, SampleLogprobs, SeqPlan, StepPlan, StepResult
 from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
+from quill.engine.prompt_scoring import gather_prompt_logprobs, prompt_tokens_to_score
 from quill.engine.request import Request, RequestStatus
 from quill.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -260,7 +261,7 @@ class EngineCore:
         if ran is None:
             return out
         if result.prompt_logprobs:
-            _gather_prompt_logprobs(sched, result.prompt_logprobs)
+            gather_prompt_logprobs(sched, result.prompt_logprobs)
         # Failed requests are finished by now, so `update` passes over them.
         advanced, finished = self.scheduler.update(sched, result.sampled, end)
         if self.structured is not None:
@@ -437,7 +438,7 @@ class EngineCore:
                 token_ids = request.token_ids_slice(start, start + s.num_tokens)
             scored = None
             if request.prompt_logprobs is not None:
-                scored = _prompt_tokens_to_score(request, start, s.num_tokens)
+                scored = prompt_tokens_to_score(request, start, s.num_tokens)
             append(
                 SeqPlan(
                     request.request_id,
@@ -466,29 +467,3 @@ class EngineCore:
         plan = StepPlan(self._next_step_id, seqs, ended, fetches)
         self._next_step_id += 1
         return plan
-
-
-def _prompt_tokens_to_score(request: Request, start: int, num_tokens: int) -> list[int] | None:
-    """The prompt tokens a chunk at `start` scores: the row at each position p up to the
-    prompt's last but one gives the logprob of token p + 1. None when the chunk reaches no
-    position not yet scored (a preempted request recomputing what it scored before)."""
-    prompt = request.prompt_token_ids
-    end = min(start + num_tokens, len(prompt) - 1)
-    if end <= max(start, len(request.prompt_logprobs)):
-        return None
-    return prompt[start + 1 : end + 1]
-
-
-def _gather_prompt_logprobs(sched: SchedulerOutput, scored: dict[str, list]) -> None:
-    """Append each scoring request's new prompt logprobs (entry i of a chunk at `start` is
-    prompt token start + 1 + i's; those it already has, rescored after a preemption, are
-    dropped). A chunk never starts past what is scored: the prefix cache serves such a
-    request no further (Request.num_reusable_tokens)."""
-    for s in sched.scheduled:
-        request = s.request
-        entries = scored.get(request.request_id)
-        if entries:
-            have = request.prompt_logprobs
-            if len(have) < s.start:
-                raise RuntimeError(f"{request.request_id}: prompt logprobs skipped a position")
-            have.extend(entries[len(have) - s.start :])
