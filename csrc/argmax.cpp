@@ -18,23 +18,6 @@
 namespace quill {
 namespace {
 
-// Bit i set where lane i of v equals m (or, with `nan`, is NaN).
-inline uint32_t lanes_equal(vfloat v, vfloat m) {
-#if defined(QUILL_AVX512)
-  return _mm512_cmp_ps_mask(v, m, _CMP_EQ_OQ);
-#else
-  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(v, m, _CMP_EQ_OQ)));
-#endif
-}
-
-inline uint32_t lanes_nan(vfloat v) {
-#if defined(QUILL_AVX512)
-  return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-#else
-  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-#endif
-}
-
 int64_t argmax_row(const float* x, int64_t n) {
   const int64_t body = n - n % kWidth;
   vfloat best = vset(-std::numeric_limits<float>::infinity());

@@ -48,7 +48,7 @@ TORCH_LIBRARY(quill, m) {
       "Tensor cos, Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("score_rows(Tensor x, Tensor targets) -> (Tensor, Tensor)");
+  m.def("score_rows(Tensor x, Tensor targets) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("isa() -> str", &quill::isa);
   m.def("attention_kernel(ScalarType q_dtype, ScalarType kv_dtype) -> str", &quill::attention_kernel);
 }

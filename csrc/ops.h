@@ -87,9 +87,10 @@ at::Tensor decoder_layer(const at::Tensor& x, at::Tensor& residual, const at::Te
 // Each fp32 row's argmax as torch.argmax(x, -1) picks it (argmax.cpp).
 at::Tensor argmax_rows(const at::Tensor& x);
 
-// Each row's log-softmax at its target and the target's rank (1 + logits above it), for
-// fp32 or bf16 rows (logprobs.cpp).
-std::tuple<at::Tensor, at::Tensor> score_rows(const at::Tensor& x, const at::Tensor& targets);
+// Each row's log-softmax at its target, the target's rank (1 + logits above it), the row's
+// argmax and its log-softmax, for fp32 or bf16 rows (logprobs.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rows(const at::Tensor& x,
+                                                                      const at::Tensor& targets);
 
 // Every layer of the model by decoder_layer in turn: norms two per layer (input, post), the
 // weights flattened (tensors_per_weight[4 * layer + p] of them for product p: 1 or 3), one k

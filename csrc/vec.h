@@ -60,6 +60,10 @@ inline vfloat vzero_below(vfloat x, vfloat value, float lo) {
   __mmask16 keep = _mm512_cmp_ps_mask(x, vset(lo), _CMP_GE_OQ);
   return _mm512_maskz_mov_ps(keep, value);
 }
+// Bit i set where lane i of v is NaN, equals m, is greater than t (ordered comparisons).
+inline uint32_t lanes_nan(vfloat v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+inline uint32_t lanes_equal(vfloat v, vfloat m) { return _mm512_cmp_ps_mask(v, m, _CMP_EQ_OQ); }
+inline uint32_t lanes_greater(vfloat v, vfloat t) { return _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ); }
 inline vfloat vpow2i(vfloat n) {  // 2^n for integral n in [-126, 127]
   __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_castsi512_ps(e);
@@ -116,6 +120,15 @@ inline float vhmax(vfloat v) {
 inline vfloat vround(vfloat v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vfloat vzero_below(vfloat x, vfloat value, float lo) {
   return _mm256_and_ps(_mm256_cmp_ps(x, vset(lo), _CMP_GE_OQ), value);
+}
+inline uint32_t lanes_nan(vfloat v) {
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline uint32_t lanes_equal(vfloat v, vfloat m) {
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(v, m, _CMP_EQ_OQ)));
+}
+inline uint32_t lanes_greater(vfloat v, vfloat t) {
+  return uint32_t(_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ)));
 }
 inline vfloat vpow2i(vfloat n) {
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);

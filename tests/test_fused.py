@@ -128,16 +128,21 @@ def test_native_argmax_model_vocabulary():
     seed=st.integers(0, 2**16),
 )
 def test_native_score_rows_equals_torch(rows, n, dtype, spread, seed):
-    """Each row's log-softmax at its target and the target's rank, as PyTorch computes them
-    (logsumexp; 1 + the logits above it), over row lengths with and without a vector tail."""
+    """Each row's log-softmax at its target, the target's rank, the argmax and its log-softmax,
+    as PyTorch computes them (logsumexp; 1 + the logits above it; torch.max), over row lengths
+    with and without a vector tail; bf16 rows often hold equal maxima (the first is taken)."""
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, n, generator=g) * spread).to(dtype)
     targets = torch.randint(0, n, (rows,), generator=g)
-    logprob, rank = torch.ops.quill.score_rows(x, targets)
-    want_logprob, want_rank = fused.score_reference(x, targets)
-    assert logprob.dtype == torch.float32 and rank.dtype == torch.long
-    torch.testing.assert_close(logprob, want_logprob, atol=2e-6 * spread + 1e-6, rtol=1e-6)
-    assert torch.equal(rank, want_rank)
+    got = fused.RowScores(*torch.ops.quill.score_rows(x, targets))
+    want = fused.score_reference(x, targets)
+    assert got.logprob.dtype == got.best_logprob.dtype == torch.float32
+    assert got.rank.dtype == got.best.dtype == torch.long
+    tol = {"atol": 2e-6 * spread + 1e-6, "rtol": 1e-6}
+    torch.testing.assert_close(got.logprob, want.logprob, **tol)
+    torch.testing.assert_close(got.best_logprob, want.best_logprob, **tol)
+    assert torch.equal(got.rank, want.rank)
+    assert torch.equal(got.best, want.best)
 
 
 @needs_native
@@ -147,20 +152,25 @@ def test_native_score_rows_model_vocabulary_and_specials():
     x[1, 7] = 0.0  # one possible token: logprob 0, rank 1
     x[2, 123] = float("nan")
     x[3, 9] = float("-inf")  # the target barred
+    x[4, 49151] = 100.0  # the best in the last lane
+    x[5, 40:43] = 100.0  # equal maxima: the first
     targets = torch.tensor([0, 7, 5, 9, 49151, 100, 2, 3])
-    logprob, rank = fused.score(x, targets)
-    want_logprob, want_rank = fused.score_reference(x, targets)
+    got = fused.score(x, targets)
+    want = fused.score_reference(x, targets)
     ok = [0, 1, 3, 4, 5, 6, 7]
-    torch.testing.assert_close(logprob[ok], want_logprob[ok], atol=1e-5, rtol=1e-6)
-    assert logprob[1] == 0 and rank[1] == 1
-    assert torch.isnan(logprob[2])  # a row holding NaN has no logprob
-    assert logprob[3] == float("-inf") and rank[3] == want_rank[3]
-    assert torch.equal(rank[ok], want_rank[ok])
+    torch.testing.assert_close(got.logprob[ok], want.logprob[ok], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(got.best_logprob[ok], want.best_logprob[ok], atol=1e-5, rtol=1e-6)
+    assert got.logprob[1] == 0 and got.rank[1] == 1 and got.best[1] == 7
+    assert got.best[4] == 49151 and got.rank[4] == 1 and got.best[5] == 40
+    # A row holding NaN has no logprob; its best is its NaN, as torch.max says.
+    assert torch.isnan(got.logprob[2]) and torch.isnan(got.best_logprob[2]) and got.best[2] == 123
+    assert got.logprob[3] == float("-inf") and got.rank[3] == want.rank[3]
+    assert torch.equal(got.rank[ok], want.rank[ok]) and torch.equal(got.best, want.best)
     # Strided rows (a view of the first 1000 logits) take the native path too.
     view = x[:, :1000]
     small = targets % 1000
     torch.testing.assert_close(
-        fused.score(view, small)[0][ok], fused.score_reference(view, small)[0][ok]
+        fused.score(view, small).logprob[ok], fused.score_reference(view, small).logprob[ok]
     )
 
 

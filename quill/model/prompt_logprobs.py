@@ -5,7 +5,8 @@ run) needs the output head on every prompt row, not only on the last one: [rows,
 that for a long chunk would be hundreds of megabytes at once. They are made and reduced in
 slabs of rows, so a chunk's scoring costs the head's arithmetic and a bounded buffer. The
 log-softmax is never materialised: one native pass over each row (quill/ops/fused.py `score`)
-gives the token's logprob and rank, and the top n come from the logits less the logsumexp.
+gives the token's logprob and rank and the top 1; a top n > 1 comes from the logits less the
+logsumexp.
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ def score_rows(
         # The head's logits as they are (a NaN from a broken model shows as a null logprob).
         logits = compute_logits(hidden[begin : begin + slab])
         rows = targets[begin : begin + slab]
-        logprob, rank = fused.score(logits, rows)
-        chosen.append(logprob)
-        ranks.append(rank)
-        if num_top:
+        scores = fused.score(logits, rows)
+        chosen.append(scores.logprob)
+        ranks.append(scores.rank)
+        if num_top == 1:  # the scoring pass found it (lm-evaluation-harness asks for the top 1)
+            top_ids.append(scores.best[:, None])
+            top_vals.append(scores.best_logprob[:, None])
+        elif num_top:
             # The row's logsumexp, from the token's logit and its logprob.
-            lse = logits.gather(1, rows[:, None]).float() - logprob[:, None]
-            values, ids = (
-                logits.max(dim=-1, keepdim=True) if num_top == 1 else logits.topk(num_top, dim=-1)
-            )
+            lse = logits.gather(1, rows[:, None]).float() - scores.logprob[:, None]
+            values, ids = logits.topk(num_top, dim=-1)
             top_ids.append(ids)
             top_vals.append(values.float() - lse)
     lps = torch.cat(chosen).tolist()

@@ -88,6 +88,7 @@ def _argmax_rows(x) -> torch.Tensor:
 
 
 @torch.library.register_fake("quill::score_rows")
-def _score_rows(x, targets) -> tuple[torch.Tensor, torch.Tensor]:
+def _score_rows(x, targets) -> tuple[torch.Tensor, ...]:
     rows = x.shape[0]
-    return x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.long)
+    logprob, rank = x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.long)
+    return logprob, rank, torch.empty_like(rank), torch.empty_like(logprob)

@@ -13,6 +13,8 @@ kernels take. The PyTorch functions are what runs on a GPU.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -91,27 +93,38 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def score(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's log-softmax at its target (fp32) and the target's rank (1 + the logits above
-    it): natively for fp32 and bf16 rows on the CPU (csrc/logprobs.cpp; PyTorch's reduction
-    cost as much as the output head's product here), else `score_reference`."""
+class RowScores(NamedTuple):
+    """Per row of logits: the target's log-softmax (fp32) and rank (1 + the logits above it),
+    the most likely token (the first of equal maxima) and its log-softmax."""
+
+    logprob: torch.Tensor
+    rank: torch.Tensor
+    best: torch.Tensor
+    best_logprob: torch.Tensor
+
+
+def score(logits: torch.Tensor, targets: torch.Tensor) -> RowScores:
+    """`RowScores` of rows of logits: natively for fp32 and bf16 rows on the CPU
+    (csrc/logprobs.cpp; PyTorch's reductions cost as much as the output head's product here),
+    else `score_reference`."""
     native = (
         logits.device.type == "cpu"
         and logits.dtype in (torch.float32, torch.bfloat16)
         and library.load() is not None
     )
     if native and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1:
-        return torch.ops.quill.score_rows(logits, targets.contiguous())
+        return RowScores(*torch.ops.quill.score_rows(logits, targets.contiguous()))
     return score_reference(logits, targets)
 
 
-def score_reference(
-    logits: torch.Tensor, targets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def score_reference(logits: torch.Tensor, targets: torch.Tensor) -> RowScores:
     """`score` in PyTorch: the reference the native op is tested against, and its fallback."""
     x = logits.float()
     target_logits = x.gather(1, targets[:, None])
-    logprob = (target_logits - x.logsumexp(dim=-1, keepdim=True)).squeeze(1)
+    lse = x.logsumexp(dim=-1, keepdim=True)
     # Summed as int32: summing booleans to int64 takes twice as long.
     rank = torch.sum(x > target_logits, dim=-1, dtype=torch.int32).long() + 1
-    return logprob, rank
+    best_logits, best = x.max(dim=-1, keepdim=True)
+    return RowScores(
+        (target_logits - lse).squeeze(1), rank, best.squeeze(1), (best_logits - lse).squeeze(1)
+    )
