@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from quill.contract.errors import ModelLoadError
+from quill.model.gguf_file import GGUFFile
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -21,21 +22,20 @@ GGUF_ARCHITECTURES = {
 }
 
 
-def open_gguf(path: str | Path):
-    import gguf
-
+def open_gguf(path: str | Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises bare ValueErrors on foreign files
+        return GGUFFile(path)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # truncated or foreign: struct, mmap and enum errors
         raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file: {e}") from e
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
-def gguf_architecture(reader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
@@ -44,7 +44,7 @@ def gguf_architecture(reader) -> str:
     return arch
 
 
-def gguf_hf_config(reader) -> dict:
+def gguf_hf_config(reader: GGUFFile) -> dict:
     """The Hugging Face config.json equivalent of a GGUF file's metadata."""
     arch = gguf_architecture(reader)
 
@@ -54,7 +54,7 @@ def gguf_hf_config(reader) -> dict:
     tensor_names = {t.name for t in reader.tensors}
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     config = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -109,7 +109,7 @@ def _moe_config(get, tensor_names: set[str], num_layers: int) -> dict:
     }
 
 
-def _end_ids(reader) -> list[int]:
+def _end_ids(reader: GGUFFile) -> list[int]:
     keys = ("eos_token_id", "eot_token_id", "eom_token_id")
     ids = [_field(reader, f"tokenizer.ggml.{k}") for k in keys]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))

@@ -17,6 +17,7 @@ from quill.model.gguf_config import (
     gguf_hf_config,
     open_gguf,
 )
+from quill.model.gguf_file import GGUFFile
 
 # The metadata readers live in the torch-free gguf_config; re-exported for existing callers.
 __all__ = [
@@ -70,7 +71,7 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def gguf_tensors(reader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_tensors(reader: GGUFFile, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (Hugging Face name, float32 tensor) for every weight in the file."""
     arch = gguf_architecture(reader)
     layer_tensors = _GEMMA3_TENSORS if arch == "gemma3" else _LAYER_TENSORS
@@ -119,7 +120,7 @@ def _decode_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, ...]:
     return codes.astype(np.uint8), d, c
 
 
-def gguf_quantized_blocks(reader, config: dict) -> Iterator[tuple[str, str, tuple]]:
+def gguf_quantized_blocks(reader: GGUFFile, config: dict) -> Iterator[tuple[str, str, tuple]]:
     """Yields (Hugging Face name, "Q8_0" | "Q4_0" | "Q4_1", tensors from `_decode_blocks`) for
     every tensor stored in one of those types: int8 and int4 weights take them as they are,
     not re-quantized from the float copy (which rounded them once more, to the model's dtype)."""
