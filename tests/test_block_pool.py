@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from quill.contract.kv_groups import NULL_BLOCK, first_needed_block
@@ -78,6 +78,12 @@ ops = st.lists(
     policy=st.sampled_from(["fcfs", "priority"]),
     windows=st.sampled_from([(0,), (0, 6), (6, 6, 0), (9,), (5, 0, 13)]),
 )
+# Found by this test: preempted after 7 tokens, r1 recomputes 33 in one 33-token chunk, which its
+# two tables (global, window 6) cannot hold in 16 blocks at once; it waited forever, alone.
+@example(
+    ops=[("add", 1, 9, 0), ("add", 26, 9, 0)], num_blocks=16, budget=33, max_seqs=2,
+    caching=False, policy="fcfs", windows=(0, 6),
+)  # fmt: skip
 def test_pool_under_random_traffic(ops, num_blocks, budget, max_seqs, caching, policy, windows):
     """Random adds (prompts sharing one of a few prefixes, some ending mid-block), steps,
     aborts and stops; small pools force preemption and eviction of cached blocks. With KV
@@ -194,6 +200,33 @@ def test_scheduler_preempts_latest_and_resumes():
     assert [s.request.request_id for s in out.scheduled] == ["a"]
     assert second.num_computed_tokens == 0 and second.output_token_ids == [8]
     assert scheduler.waiting.peek() is second
+
+
+def test_a_recompute_alone_takes_smaller_chunks_where_its_windowed_tables_need_it():
+    """A request decoded to 48 tokens (a global table and one of window 6: 12 + 3 blocks of
+    16) is sent back to recompute: 12-token chunks fit until the last, which with the global
+    table full would need 17. Alone, it takes the chunk the pool holds instead of ending."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, group_windows=(0, 6))
+    scheduler = Scheduler(kv, max_num_batched_tokens=12, max_num_seqs=1, max_model_len=100)
+    request = Request("a", list(range(8)), SamplingParams(max_tokens=42), 0.0, 42)
+    scheduler.add_request(request)
+    content = {b: [None] * 4 for b in range(16)}
+    while request.num_tokens < 48:
+        run_step(scheduler, content)
+    scheduler.recompute("a")
+    chunks = []
+    while scheduler.has_unfinished():
+        chunks.append(scheduler.schedule())
+        out = chunks[-1]
+        scheduler.update(out, {s.request.request_id: [s.request.num_tokens] for s in out.scheduled
+                               if s.samples})  # fmt: skip
+        check_invariants(scheduler)
+    sizes = [out.scheduled[0].num_tokens for out in chunks if out.scheduled]
+    # At 36: the global table's 9 blocks and the window's 2 (blocks 7-8) leave 5 free, 2 more
+    # for each table: 44 tokens, a chunk of 8. At 44: 11 + 2 held, 3 free: 48, a chunk of 4.
+    assert sizes == [12, 12, 12, 8, 4, 1]
+    assert len(request.output_token_ids) == 42 and request.finish_reason == "length"
+    assert request.output_token_ids == list(range(8, 50))
 
 
 def test_scheduler_is_torch_free():

@@ -215,10 +215,7 @@ class KVCacheManager:
         pool = self.pool
         num_cached = len(cached_blocks[0]) if cached_blocks else 0
         needed = self.blocks_for(num_tokens) - len(tables[0]) - num_cached
-        revived = 0  # cached blocks that leave the free list
-        if num_cached:
-            ref_counts = pool.ref_counts
-            revived = sum(1 for bs in cached_blocks for b in bs if b >= 0 and ref_counts[b] == 0)
+        revived = self._revived(cached_blocks)
         if max(needed, 0) * len(tables) + revived > pool.num_free_blocks:
             return False
         if num_cached:
@@ -230,6 +227,20 @@ class KVCacheManager:
             for table in tables:
                 table.extend(pool.allocate(needed))
         return True
+
+    def _revived(self, cached_blocks: Sequence[Sequence[int]]) -> int:
+        """Cached blocks that would leave the free list if a request took them."""
+        ref_counts = self.pool.ref_counts
+        return sum(1 for bs in cached_blocks for b in bs if b >= 0 and ref_counts[b] == 0)
+
+    def reach(self, request: Request, cached_blocks: Sequence[Sequence[int]] = ()) -> int:
+        """How many tokens the request's tables could hold, grown into every free block now
+        (after an `allocate_slots` that failed, which freed what lay behind its windows)."""
+        tables = self.block_tables.get(request.request_id)
+        held = len(tables[0]) if tables else 0
+        num_cached = len(cached_blocks[0]) if cached_blocks else 0
+        spare = self.pool.num_free_blocks - self._revived(cached_blocks)
+        return (held + num_cached + max(spare, 0) // self.num_groups) * self.block_size
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Give back the request's blocks past those holding its first `num_tokens` tokens

@@ -224,7 +224,8 @@ class Scheduler:
             table = tables.get(request.request_id)
             # Blocks to spare (the common case for a decode) need no allocation.
             if table is None or len(table[0]) * block_size < start + n:
-                if not self._grow_or_preempt(request, n, out):
+                n = self._grow_or_preempt(request, n, out)
+                if not n:
                     continue  # request was preempted or finished; running[i] is the next one
             if caching and (start + n) % block_size < n:  # a block fills up in this step
                 kv.cache_blocks(request, start + n)
@@ -253,7 +254,13 @@ class Scheduler:
                 computed += num_cached
             n = min(request.num_tokens - computed, budget)
             if not kv.allocate_slots(request, computed + n, cached):
-                break
+                if self.running or self.fetching:
+                    break  # blocks come back as they finish
+                # Nothing else holds blocks to wait for: a smaller chunk (a sliding window's
+                # table holds the window and the chunk), or it would wait forever.
+                n = min(n, kv.reach(request, cached) - computed)
+                if n < 1 or not kv.allocate_slots(request, computed + n, cached):
+                    break
             self.waiting.pop()
             request.num_computed_tokens = computed
             if remote is not None:  # waits aside for its KV: no token of this step's budget
@@ -315,20 +322,26 @@ class Scheduler:
             self.spec_switch.on_proposals(1, bool(drafts))
         return drafts
 
-    def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        needed = request.num_computed_tokens + n
-        while not self.kv.allocate_slots(request, needed):
+    def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> int:
+        """Blocks for the request's next `n` tokens, preempting the latest requests for them;
+        how many tokens it computes this step (0: it was preempted or finished)."""
+        computed = request.num_computed_tokens
+        while not self.kv.allocate_slots(request, computed + n):
             if len(self.running) == 1:
-                # Alone and still out of blocks: the pool cannot hold this sequence any longer.
+                # Alone: the chunk the pool can hold (a sliding window's table holds the
+                # window and the chunk), or the pool cannot hold this sequence any longer.
+                fit = min(n, self.kv.reach(request) - computed)
+                if fit >= 1 and self.kv.allocate_slots(request, computed + fit):
+                    return fit
                 self.finish_request(request.request_id, "length")
                 out.finished.append(request)
-                return False
+                return 0
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return 0
+        return n
 
     def fetched(self, request_id: str) -> Request | None:
         """A fetch ended with the KV in: its request runs from the next step (and others may
