@@ -254,8 +254,8 @@ class Scheduler:
                 computed += num_cached
             n = min(request.num_tokens - computed, budget)
             if not kv.allocate_slots(request, computed + n, cached):
-                if self.running or self.fetching:
-                    break  # blocks come back as they finish
+                if self.running or self.fetching or remote is not None:
+                    break  # blocks come back as they finish (a fetch needs its whole prompt's)
                 # Nothing else holds blocks to wait for: a smaller chunk (a sliding window's
                 # table holds the window and the chunk), or it would wait forever.
                 n = min(n, kv.reach(request, cached) - computed)
