@@ -20,7 +20,7 @@ from torch import nn
 from quill.model import llama
 from quill.model.attention import AttentionMetadata, paged_attention
 from quill.model.config import ModelConfig
-from quill.model.layers import RMSNorm, rope_inv_freq
+from quill.model.layers import RMSNorm, rope_tables
 from quill.model.linear import Linear, MergedLinear
 from quill.ops import fused
 
@@ -86,15 +86,12 @@ class Gemma3ForCausalLM(llama.LlamaForCausalLM):
     def init_rope(self, max_positions: int) -> None:
         """Two rotary tables: the global layers' base, and the sliding layers' own."""
         super().init_rope(max_positions)
-        device = self.embed_tokens.weight.device
         local = dataclasses.replace(
             self.config, rope_theta=self.config.local_rope_theta, rope_scaling=None
         )
-        inv_freq = rope_inv_freq(local).to(device)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device=device), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("local_cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("local_sin_cache", emb.sin(), persistent=False)
+        cos, sin = rope_tables(local, max_positions, self.embed_tokens.weight.device)
+        self.register_buffer("local_cos_cache", cos, persistent=False)
+        self.register_buffer("local_sin_cache", sin, persistent=False)
 
     def forward(
         self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]

@@ -31,9 +31,28 @@ class RMSNorm(nn.Module):
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def rope_tables(
+    config: ModelConfig, max_positions: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary cos and sin tables (positions x head_dim), computed in fp32 on the CPU.
+
+    A model built on the meta device, for its shapes alone (quill.model.loader), gets empty
+    ones: arithmetic on meta tensors runs torch's Python references, whose first use imports
+    torch._dynamo, a second of every start that serving never needs."""
+    inv_freq = rope_inv_freq(config)
+    shape = (max_positions, 2 * inv_freq.numel())
+    if device.type == "meta":
+        return torch.empty(shape, device=device), torch.empty(shape, device=device)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device="cpu"), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """The rotary frequencies (head_dim / 2, fp32, on the CPU), scaled as the config says."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.float, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
@@ -41,7 +60,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     if kind == "default":
         return inv_freq
     if kind == "freq_factors":  # GGUF's rope_freqs tensor: one divisor per frequency
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float, device="cpu")
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":

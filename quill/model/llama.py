@@ -19,7 +19,7 @@ from torch import nn
 from quill.contract.errors import ModelLoadError
 from quill.model.attention import AttentionMetadata, paged_attention
 from quill.model.config import ModelConfig
-from quill.model.layers import RMSNorm, rope_inv_freq
+from quill.model.layers import RMSNorm, rope_tables
 from quill.model.linear import Linear, MergedLinear, dense, native_possible
 from quill.ops import fused
 
@@ -253,7 +253,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given an empty table, nn.Embedding skips its random init (every weight is loaded).
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
@@ -269,12 +271,9 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rope(self, max_positions: int) -> None:
         """(Re)compute the rotary tables in fp32 on the model's device."""
-        device = self.norm.weight.device
-        inv_freq = rope_inv_freq(self.config).to(device)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float, device=device), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        cos, sin = rope_tables(self.config, max_positions, self.norm.weight.device)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def forward(
         self,

@@ -125,10 +125,21 @@ def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
 
 
 def _build(config: ModelConfig, max_positions: int, dtype, device) -> LlamaForCausalLM:
+    """The model with empty weights (loading fills them): built on the meta device for its
+    shapes, then given storage. Not by `Module.to_empty`: its `empty_like` runs torch's Python
+    references, whose first use imports sympy, a third of a second of every start."""
     with torch.device("meta"):
         model = family(config).model(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
-    model.init_rope(max_positions)
+    storage: dict[int, torch.nn.Parameter] = {}  # a tied weight gets one tensor
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in storage:
+                kind = dtype if p.is_floating_point() else p.dtype
+                empty = torch.empty(p.shape, dtype=kind, device=device)
+                storage[id(p)] = torch.nn.Parameter(empty, requires_grad=p.requires_grad)
+            if p is not None:
+                module._parameters[name] = storage[id(p)]
+    model.init_rope(max_positions)  # the only buffers: the rotary tables
     return model
 
 
