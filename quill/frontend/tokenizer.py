@@ -1,15 +1,22 @@
 """The model's tokenizer: encoding, decoding and the chat template.
 
-A GGUF file's tokenizer is built by transformers from the file's vocabulary, which for a large
-vocabulary is slow (Gemma 3's 262,144 tokens: about 12 s of a 27 s start, paid again by the
-server's front end), so it is built once and kept under `$QUILL_CACHE/tokenizers`, named by the
-file's path, size and modification time.
+Two things are kept under `$QUILL_CACHE/tokenizers` because they cost every start:
+- A GGUF file's tokenizer is built by transformers from the file's vocabulary, which for a large
+  vocabulary is slow (Gemma 3's 262,144 tokens: about 12 s of a 27 s start, paid again by the
+  server's front end): built once, named by the file's path, size and modification time.
+- The class `AutoTokenizer` resolves a directory to. To choose it, AutoTokenizer reads the
+  model's config, and importing it imports torch and transformers' model code: 1.8 s here,
+  paid by the server's API process (which needs no torch) after the engine is up, and again
+  by the engine. The class is recorded, named by the files AutoTokenizer reads and the
+  transformers version, and later loads call it directly, as AutoTokenizer itself ends.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import json
 import logging
 import os
 import shutil
@@ -55,13 +62,8 @@ class Tokenizer:
 
     @classmethod
     def load(cls, source: Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
-        from transformers import AutoTokenizer
-
         try:
-            if source.is_file():
-                hf = _gguf_tokenizer(source)
-            else:
-                hf = AutoTokenizer.from_pretrained(str(source))
+            hf = _gguf_tokenizer(source) if source.is_file() else _from_directory(source)
         except Exception as e:
             raise ModelLoadError(f"could not load a tokenizer from {str(source)!r}: {e}") from e
         return cls(hf, eos_token_ids)
@@ -109,14 +111,14 @@ class Tokenizer:
 
 def _gguf_tokenizer(path: Path):
     """The GGUF file's tokenizer, from the cache when it was built before."""
-    from transformers import AutoTokenizer
-
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     cached = cache_dir() / "tokenizers" / hashlib.sha256(key).hexdigest()[:16]
     if (cached / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cached))
+        return _from_directory(cached)
     log.info("building the tokenizer of %s (once: kept at %s)", path.name, cached)
+    from transformers import AutoTokenizer
+
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
     hf.save_pretrained(str(partial))
@@ -124,4 +126,41 @@ def _gguf_tokenizer(path: Path):
         partial.rename(cached)
     except OSError:  # another process kept it first
         shutil.rmtree(partial, ignore_errors=True)
+    return hf
+
+
+# What AutoTokenizer reads to choose a directory's class.
+_CLASS_INPUTS = ("tokenizer_config.json", "config.json", "tokenizer.json", "tokenizer.model")
+
+
+def _from_directory(directory: Path):
+    """transformers' tokenizer of a directory, of the class AutoTokenizer resolves it to."""
+    import transformers
+
+    parts = [str(directory.resolve()), transformers.__version__]
+    for name in _CLASS_INPUTS:
+        if (directory / name).is_file():
+            stat = (directory / name).stat()
+            parts.append(f"{name}:{stat.st_size}:{stat.st_mtime_ns}")
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    record = cache_dir() / "tokenizers" / "classes" / f"{key}.json"
+    try:
+        module, name = json.loads(record.read_text())
+        tokenizer_class = getattr(importlib.import_module(module), name)
+    except (OSError, ValueError, ImportError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class is not None:
+        return tokenizer_class.from_pretrained(str(directory))
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(directory))
+    module = type(hf).__module__
+    if module.startswith("transformers."):  # never a class from a model's own code
+        partial = record.with_name(f"{key}.{os.getpid()}.partial")
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps([module, type(hf).__name__]))
+            partial.rename(record)
+        except OSError:
+            pass  # a read-only cache: AutoTokenizer again next time
     return hf
