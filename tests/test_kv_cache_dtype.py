@@ -50,6 +50,18 @@ def test_auto_is_sixteen_bit(monkeypatch):
     assert resolve_kv_cache_dtype("auto", torch.float16, cuda) == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, cuda) == torch.bfloat16
     assert resolve_kv_cache_dtype("float32", torch.bfloat16, cpu) == torch.float32
+    # float32 weights asked for by name: float32 arithmetic, the cache's too.
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu, dtype_asked=True) == torch.float32
+    assert resolve_kv_cache_dtype("float16", torch.float32, cpu, dtype_asked=True) == torch.float16
+
+
+def test_the_cost_model_counts_the_kv_bytes_auto_gives():
+    from quill.cost.model import kv_bytes_per_element
+
+    assert kv_bytes_per_element("auto") == 2
+    assert kv_bytes_per_element("auto", "float32") == 4
+    assert kv_bytes_per_element("auto", "bfloat16") == 2
+    assert kv_bytes_per_element("float32") == 4
 
 
 def test_bad_kv_cache_dtype_is_refused():

@@ -79,28 +79,26 @@ def test_a_bad_constraint_is_refused_naming_the_field(llm):
         assert e.value.param == "structured"
 
 
-def test_a_grammar_past_its_deadline_fails_alone(llm, monkeypatch):
+def test_a_grammar_past_its_deadline_is_refused_alone(llm, monkeypatch):
     matchers = llm.engine.core.structured
-    slow_make = matchers._make
+    slow_prepare = matchers._prepare
 
     def slow(constraint):
         time.sleep(0.5)
-        return slow_make(constraint)
+        return slow_prepare(constraint)
 
-    monkeypatch.setattr(matchers, "_make", slow)
-    monkeypatch.setattr(matchers, "compile_timeout_s", 0.1)
+    monkeypatch.setattr(matchers, "_prepare", slow)
+    monkeypatch.setattr(matchers, "prepare_timeout_s", 0.1)
     free = _params(None, max_tokens=8)
     engine = llm.engine
-    engine.add_request([5, 6, 7], _params(Constraint.json_schema(LIST)), "slow")
+    with pytest.raises(InvalidRequestError, match="not ready within 0.1 s") as e:
+        engine.add_request([5, 6, 7], _params(Constraint.json_schema(LIST)), "slow")
+    assert e.value.param == "structured"
     engine.add_request([5, 6, 8], free, "free")
-    engine.add_request([5, 6, 9], _params(Constraint.json_schema(PERSON)), "aborted")
-    engine.abort_request("aborted")
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert "did not compile within 0.1 s" in done["slow"].error
-    assert done["free"].outputs[0].finish_reason == "length"
-    assert done["aborted"].outputs[0].finish_reason == "abort"
+    assert set(done) == {"free"} and done["free"].outputs[0].finish_reason == "length"
     kv = engine.scheduler.kv
     assert kv.pool.num_free_blocks == kv.num_blocks
 
@@ -120,6 +118,7 @@ def test_a_grammar_whose_masks_grow_past_the_budget_fails_alone(llm):
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert "mask took" in done["slow"].error
+    assert done["slow"].error_param == "structured"  # the request's own error, not the engine's
     assert set(done["slow"].outputs[0].text) == {"a"}
     assert done["free"].outputs[0].text == alone
     assert engine.core.structured.num_over_budget >= 1
@@ -141,3 +140,55 @@ def test_offline_chat_offers_tools_and_holds_the_reply_to_a_call(llm):
     with pytest.raises(InvalidRequestError, match="tool_choice"):
         llm.chat(ask, _params(None), tools=tools, tool_choice={"type": "function",
                  "function": {"name": "other"}})  # fmt: skip
+
+
+def test_a_grammar_whose_first_masks_are_over_the_budget_is_refused_up_front(llm, monkeypatch):
+    """The masks are timed before the request is admitted: over the budget there, the
+    request is refused at once (a 400), never queued."""
+    matchers = llm.engine.core.structured
+    monkeypatch.setattr(matchers, "mask_budget_s", 1e-9)
+    with pytest.raises(InvalidRequestError, match="mask took .* at token 0") as e:
+        llm.engine.add_request([5, 6, 7], _params(Constraint.json_schema(LIST)), "too-slow")
+    assert e.value.param == "structured"
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_grammars_that_overflowed_a_thread_stack_compile_on_the_grammar_threads(llm):
+    """5,000 chained $refs and 5,000 chained Lark rules recursed past the 8 MiB stack of an
+    ordinary thread and ended the process; the grammar threads' stacks hold them (the server
+    bounds what clients send far below: quill/frontend/json_limits.py)."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}
+    defs["d5000"] = {"type": "string", "maxLength": 3}
+    chain = "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(5000)) + '\nr5000: "a"'
+    params = [
+        _params(Constraint.json_schema({"$ref": "#/$defs/d0", "$defs": defs}), max_tokens=8),
+        _params(Constraint("grammar", chain), max_tokens=8),
+    ]
+    outs = llm.generate(["Say a word:", "Say a:"], params, use_tqdm=False)
+    assert isinstance(json.loads(outs[0].outputs[0].text), str)
+    assert outs[1].outputs[0].text == "a"
+
+
+def test_a_keyword_the_grammar_cannot_enforce_is_ignored_with_a_warning(llm, caplog):
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
+    out = llm.generate(["Numbers:"], _params(Constraint.json_schema(schema)), use_tqdm=False)
+    jsonschema.validate(json.loads(out[0].outputs[0].text), {**schema, "uniqueItems": False})
+    assert "uniqueItems" in caplog.text
+
+
+def test_a_matcher_that_fails_mid_reply_ends_it_as_the_requests_own_error(grammars):
+    """A parser limit passed inside a mask: the mask allows only the end, and the reply ends
+    with the grammar's error (the request's, not the engine's)."""
+    from quill.structured.grammar import GrammarError
+    from quill.structured.matchers import Prepared, ReplyMatchers
+
+    class Failing:
+        def bitmask(self):
+            raise GrammarError("step_max_items exceeded")
+
+    matchers = ReplyMatchers(grammars)
+    matchers.attach("r", Prepared(Failing()))
+    mask = matchers.bitmask("r")
+    assert [t for t in range(49152) if mask[t // 8] >> (t % 8) & 1] == [2]  # <|im_end|> only
+    assert "step_max_items exceeded" in matchers.take("r", [2])
+    matchers.close()

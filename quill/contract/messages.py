@@ -69,6 +69,8 @@ class ErrorInfo:
 class AddResult:
     request_id: str
     error: ErrorInfo | None = None
+    # What of the request's constraint is not enforced (schema keywords the grammar ignores).
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +87,7 @@ class RequestUpdate:
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None
     error: str | None = None
+    error_param: str | None = None  # set when the error is the request's own (a 4xx)
     kv_lease: RemoteKV | None = None  # on the last update of a leased request
 
     @property

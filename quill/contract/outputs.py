@@ -70,6 +70,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # set when finish_reason is "error"
+    # Set when that error is the request's own (its constraint failed), naming the field:
+    # a client error, where None is the engine's.
+    error_param: str | None = None
     # Asked for with sampling_params.prompt_logprobs: per prompt token its logprob and the top
     # n, as generated tokens' (None for the first token, which nothing predicts), and its rank
     # in the vocabulary (1: the model's most likely token there). Set once the prompt is in.

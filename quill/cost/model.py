@@ -27,10 +27,13 @@ def bytes_per_element(dtype: str) -> int:
     return _BYTES_BY_DTYPE.get(canonical_dtype(str(dtype)), 2)
 
 
-def kv_bytes_per_element(kv_cache_dtype: str) -> int:
-    """Bytes of a KV element for a `--kv-cache-dtype`: `auto` is 16-bit whatever the weights,
-    as the engine's (quill.model.loader.resolve_kv_cache_dtype)."""
-    return 2 if kv_cache_dtype == "auto" else bytes_per_element(kv_cache_dtype)
+def kv_bytes_per_element(kv_cache_dtype: str, dtype: str = "auto") -> int:
+    """Bytes of a KV element for a `--kv-cache-dtype`: `auto` is the `--dtype` asked for by
+    name, else 16-bit whatever the weights, as the engine's
+    (quill.model.loader.resolve_kv_cache_dtype)."""
+    if kv_cache_dtype == "auto":
+        return 2 if dtype == "auto" else bytes_per_element(dtype)
+    return bytes_per_element(kv_cache_dtype)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 from multiprocessing.connection import wait
@@ -34,6 +35,7 @@ from quill.contract.errors import ExecutorFailedError
 from quill.contract.plan import StepPlan, StepResult
 from quill.distributed.group import TensorParallel, free_port, join_group
 from quill.distributed.shard import check_tensor_parallel
+from quill.lifetime import die_with_parent
 from quill.model.factory import build_model_executor, model_path_of
 from quill.model.loader import read_model_config, resolve_device
 
@@ -239,6 +241,7 @@ def run_rank(rank: int, address: str, options: dict, parent_pid: int, level: int
     logger.handlers[:] = [handler]
     logger.setLevel(max(level, logging.WARNING))  # rank 0 says what every rank does
     logger.propagate = False
+    die_with_parent(signal.SIGKILL, parent_pid)  # nothing to end cleanly: the group is gone
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
 
     config = EngineConfig(**options)

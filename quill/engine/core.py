@@ -22,7 +22,7 @@ from quill.contract.plan import Executor, KVFetch, SampleLogprobs, SeqPlan, Step
 from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
 from quill.engine.prompt_scoring import gather_prompt_logprobs, prompt_tokens_to_score
-from quill.engine.request import Request, RequestStatus
+from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,6 @@ class EngineCore:
         self.recompute_failed_fetches = recompute_failed_fetches
         self.num_kv_recomputes = 0
         self.structured = structured
-        self._compiling: dict[str, Request] = {}  # constrained requests whose matcher is made
 
     @property
     def max_model_len(self) -> int:
@@ -93,18 +92,15 @@ class EngineCore:
             self.admission.token_budget = num_tokens
 
     # -- requests (any thread) -------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, prepared=None) -> None:
         """Validate and queue a request for the next step; raises InvalidRequestError, or
-        OverloadedError when admission control predicts it would start past its SLO."""
+        OverloadedError when admission control predicts it would start past its SLO.
+        `prepared`: a constrained request's matcher (`ReplyMatchers.prepare`), made first."""
         self.scheduler.check_request(request)
-        constraint = request.sampling_params.structured
-        if constraint is not None:
-            if self.structured is None:
-                raise InvalidRequestError(
-                    "structured output needs the model's tokenizer.json beside its weights",
-                    "structured",
-                )
-            self.structured.check(constraint)
+        if request.sampling_params.structured is not None:
+            self.check_structured()
+            if prepared is None:
+                raise ValueError("a constrained request is added with its prepared matcher")
         if request.ttft_slo is not None and self.admission is None:
             raise InvalidRequestError(
                 "ttft_slo needs TTFT prediction, which this engine runs without "
@@ -123,7 +119,17 @@ class EngineCore:
                 elapsed = None if started is None else self.clock.now() - started
                 self.admission.admit(request, num_cached, self._queue_state, pending, elapsed)
             self._live_ids.add(request.request_id)
+            if prepared is not None:
+                self.structured.attach(request.request_id, prepared)
             self._pending.append(("add", request))
+
+    def check_structured(self) -> None:
+        """Refuse constrained requests when this engine cannot enforce constraints."""
+        if self.structured is None:
+            raise InvalidRequestError(
+                "structured output needs the model's tokenizer.json beside its weights",
+                "structured",
+            )
 
     def release_kv(self, request_id: str) -> None:
         """Free a finished request's leased KV blocks at the next step (the decode instance
@@ -138,7 +144,7 @@ class EngineCore:
             self._pending.append(("abort", (request_id, reason, stop_reason)))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or bool(self._compiling) or self.scheduler.has_unfinished()
+        return bool(self._pending) or self.scheduler.has_unfinished()
 
     def next_lease_expiry(self) -> float | None:
         """When the first KV lease ends (a step then frees it), on this core's clock."""
@@ -158,12 +164,6 @@ class EngineCore:
     ) -> Request | None:
         """End a request now (a stop string found by the front end, an abort, an error). An
         abort of a request already ended frees the KV blocks it leased."""
-        request = self._compiling.pop(request_id, None)
-        if request is not None:  # never scheduled: its matcher was still being made
-            request.status = RequestStatus.FINISHED
-            request.finish_reason, request.stop_reason = reason, stop_reason
-            self._ended(request, error)
-            return request
         request = self.scheduler.finish_request(request_id, reason, stop_reason, self.clock.now())
         if request is not None:
             self._ended(request, error)
@@ -188,10 +188,6 @@ class EngineCore:
                 kind, item = self._pending.popleft()
             if kind == "release":
                 self.scheduler.kv.release(item)
-            elif kind == "add" and item.sampling_params.structured is not None:
-                self.structured.start(item.request_id, item.sampling_params.structured,
-                                      self.clock.now())  # fmt: skip
-                self._compiling[item.request_id] = item
             elif kind == "add":
                 self.scheduler.add_request(item)
                 if self.admission is not None:
@@ -210,8 +206,6 @@ class EngineCore:
         """
         out = CoreOutput()
         self._drain_pending(out)
-        if self._compiling:
-            self._admit_constrained(out)
         start = self._step_started = self.clock.now()
         kv = self.scheduler.kv
         if kv.leases:
@@ -227,25 +221,12 @@ class EngineCore:
                     self._queue_state = state
                     self._unsnapshotted = []
 
-    def _admit_constrained(self, out: CoreOutput) -> None:
-        """Constrained requests whose matcher is made go to the scheduler; those whose grammar
-        failed or ran past its deadline end in error."""
-        ready, failed = self.structured.ready(self.clock.now())
-        for request_id in ready:
-            self.scheduler.add_request(self._compiling.pop(request_id))
-        for request_id, why in failed.items():
-            request = self.finish_request(request_id, "error", error=why)
-            if request is not None:
-                out.finished.append(request)
-
     def _step(self, out: CoreOutput, start: float) -> CoreOutput:
         sched = self.scheduler.schedule(start)
         for request in sched.finished:
             self._ended(request)
             out.finished.append(request)
         if sched.is_empty and not self.scheduler.num_fetching:
-            if self._compiling and not out.finished:
-                self.structured.wait(0.01)  # nothing runs until a matcher is made
             return out
         plan = self.make_plan(sched)
         if not plan.seqs:  # only KV fetches to start or to hear of: no pass
@@ -302,17 +283,18 @@ class EngineCore:
         return replace(spec, accepted_per_position=spec.accepted_per_position[:])
 
     def _take_constrained(self, advanced: list[Request], finished: list[Request]) -> list[Request]:
-        """Each constrained request's matcher takes its new tokens; a token it refuses (the
-        mask let it through: a bug) ends the request in error. Returns those ended here."""
+        """Each constrained request's matcher takes its new tokens; a grammar that fails (a
+        token it refuses, a parser limit, a mask over its budget) ends the request in error,
+        the request's own (its grammar's), not the engine's. Returns those ended here."""
         ended, done = [], {id(r) for r in finished}
         for request in advanced:
             if request.sampling_params.structured is None:
                 continue
             why = self.structured.take(request.request_id, request.output_token_ids)
             if why is not None and id(request) not in done:
-                log.error("%s: %s", request.request_id, why)
+                log.warning("%s: %s", request.request_id, why)
                 if self.scheduler.finish_request(request.request_id, "error") is not None:
-                    request.error = why
+                    request.error, request.error_param = why, "structured"
                     ended.append(request)
         return ended
 

@@ -7,14 +7,17 @@ offline step). Here the step loop has an interpreter to itself.
 
 Messages (quill.contract.messages, bytes by quill.contract.codec) come in on a ZeroMQ PULL
 socket and go out on a PUSH socket; the API process binds both. A receiving thread applies
-adds and aborts at once (adds are answered at once: accepted, or why not) and wakes the step
-loop, which steps while there is work and otherwise blocks: no spinning. Start-up goes
+adds and aborts at once (adds are answered at once: accepted, or why not; a constrained
+request once its matcher is prepared on a grammar thread, so that a slow grammar holds up
+nothing else) and wakes the step loop, which steps while there is work and otherwise blocks:
+no spinning. Start-up goes
 through a third socket: the `EngineInfo` once the model is loaded, or why it could not be.
 It is started as `python -m quill.engine.process` (a fresh interpreter, never a fork of one
 that holds torch's threads), its configuration as JSON on the command line.
 
-The process ends when told to (a `shutdown` utility call), on SIGTERM, or when its parent is
-gone (checked every half second): it never outlives the server. SIGINT is left to the parent,
+The process ends when told to (a `shutdown` utility call), on SIGTERM (which the kernel sends
+when the server process ends, however it ends: quill/lifetime.py), or when its parent is gone
+(checked every half second): it never outlives the server. SIGINT is left to the parent,
 which drains first and then tells it to stop.
 """
 
@@ -108,6 +111,9 @@ class EngineLoop:
         if worker.kv_server is not None:  # a fetched lease is freed at the next step
             worker.kv_server.on_release = self._wake.set
         self._kv_transfer_sent = None  # the last KVTransferStats sent
+        # Constrained requests whose matcher is being prepared: id -> (future, deadline).
+        self._preparing: dict[str, tuple] = {}
+        self._preparing_lock = threading.Lock()
 
     # -- both threads ----------------------------------------------------------------------
     def send(self, message) -> None:
@@ -123,14 +129,16 @@ class EngineLoop:
         codec = Codec()
         try:
             while not self._stopping:
+                self._expire_preparations()
                 if not self._in.poll(200):
                     continue
                 message = codec.decode(self._in.recv(copy=False).buffer)
                 if isinstance(message, EngineRequest):
-                    self.send(self._add(message))
+                    self._receive_request(message)
                 elif isinstance(message, AbortRequests):
                     for request_id in message.request_ids:
-                        self.worker.abort(request_id, message.reason)
+                        if not self._unprepare(request_id, "it was aborted"):
+                            self.worker.abort(request_id, message.reason)
                 elif isinstance(message, UtilityCall):
                     if message.name == "resume":
                         self._paused = False
@@ -145,9 +153,61 @@ class EngineLoop:
             log.exception("the engine's receiving thread died")
             self.fail(f"the engine's receiver failed: {type(e).__name__}: {e}", fatal=True)
 
-    def _add(self, req: EngineRequest) -> AddResult:
+    def _receive_request(self, req: EngineRequest) -> None:
+        """Add a request and answer; a constrained one once its matcher is prepared (on a
+        grammar thread: this thread goes on receiving meanwhile)."""
         try:
-            self.worker.add(req)
+            future = self.worker.prepare(req)
+        except InvalidRequestError as e:
+            self.send(AddResult(req.request_id, ErrorInfo("invalid", e.message, e.param)))
+            return
+        if future is None:
+            self.send(self._add(req))
+            return
+        deadline = time.monotonic() + self.worker.core.structured.prepare_timeout_s
+        with self._preparing_lock:
+            self._preparing[req.request_id] = (future, deadline)
+        future.add_done_callback(lambda done: self._prepared(req, done))
+
+    def _prepared(self, req: EngineRequest, future) -> None:
+        """A grammar thread finished preparing `req`: add it, unless it was aborted or timed
+        out meanwhile (it was answered then)."""
+        with self._preparing_lock:
+            if self._preparing.pop(req.request_id, None) is None:
+                return
+        try:
+            prepared = future.result()
+        except InvalidRequestError as e:
+            self.send(AddResult(req.request_id, ErrorInfo("invalid", e.message, e.param)))
+        except Exception as e:  # noqa: BLE001 - the request fails, the engine serves on
+            log.exception("preparing request %s failed", req.request_id)
+            self.send(AddResult(req.request_id, ErrorInfo("engine", f"{type(e).__name__}: {e}")))
+        else:
+            self.send(self._add(req, prepared))
+        self._wake.set()
+
+    def _unprepare(self, request_id: str, why: str, error: Exception | None = None) -> bool:
+        """Answer a request still being prepared with why it was not added; False if it is
+        not being prepared."""
+        with self._preparing_lock:
+            entry = self._preparing.pop(request_id, None)
+        if entry is None:
+            return False
+        entry[0].cancel()
+        error = error or InvalidRequestError(f"the request was not added: {why}")
+        self.send(AddResult(request_id, ErrorInfo("invalid", str(error), error.param)))
+        return True
+
+    def _expire_preparations(self) -> None:
+        now = time.monotonic()
+        with self._preparing_lock:
+            late = [rid for rid, (_, deadline) in self._preparing.items() if now > deadline]
+        for request_id in late:
+            self._unprepare(request_id, "", self.worker.core.structured.timed_out())
+
+    def _add(self, req: EngineRequest, prepared=None) -> AddResult:
+        try:
+            self.worker.add(req, prepared=prepared)
         except InvalidRequestError as e:
             return AddResult(req.request_id, ErrorInfo("invalid", e.message, e.param))
         except OverloadedError as e:
@@ -157,7 +217,7 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - the request fails, the engine serves on
             log.exception("adding request %s failed", req.request_id)
             return AddResult(req.request_id, ErrorInfo("engine", f"{type(e).__name__}: {e}"))
-        return AddResult(req.request_id)
+        return AddResult(req.request_id, warnings=list(prepared.warnings) if prepared else [])
 
     def _watch_parent(self) -> None:
         while not self._stopping:

@@ -67,6 +67,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     error: str | None = None  # why, when finish_reason is "error"
+    # Set when the error is the request's own (its grammar failed): the field to blame, as
+    # the 4xx it is; None: the engine's error (a 5xx).
+    error_param: str | None = None
     times: RequestTimes = None  # type: ignore[assignment]
     priority: int = 0  # lower is served first (under the priority policy)
     cache_salt: str | None = None  # requests share cached blocks only with the same salt

@@ -152,9 +152,20 @@ class EngineWorker:
         return self.core.scheduler
 
     # -- requests (any thread) -------------------------------------------------------------
-    def add(self, req: EngineRequest, prompt: str | None = None) -> None:
+    def prepare(self, req: EngineRequest):
+        """Start what a request needs before it is added: a constrained request's matcher, on
+        a grammar thread. A future of it (`add`'s `prepared`), or None when there is nothing
+        to prepare; InvalidRequestError when this engine cannot enforce constraints."""
+        constraint = req.sampling_params.structured
+        if constraint is None:
+            return None
+        self.core.check_structured()
+        return self.core.structured.prepare(constraint)
+
+    def add(self, req: EngineRequest, prompt: str | None = None, prepared=None) -> None:
         """Queue a request for the next step; raises InvalidRequestError when it can never be
-        served here, OverloadedError when it would start past its TTFT SLO."""
+        served here, OverloadedError when it would start past its TTFT SLO. A constrained
+        request's matcher is prepared here (waited for) unless `prepared` is given."""
         request = Request(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -174,7 +185,13 @@ class EngineWorker:
             request.kv_transferred = True
             request.output_token_ids.append(remote.first_token_id)
             request.num_computed_tokens = remote.num_tokens
-        self.core.add_request(request)
+        constraint = req.sampling_params.structured
+        if constraint is not None and prepared is None:
+            self.core.check_structured()
+            prepared = self.core.structured.prepare_now(constraint)
+            for warning in prepared.warnings:
+                log.warning("%s: structured output: %s", req.request_id, warning)
+        self.core.add_request(request, prepared)
 
     def abort(self, request_id: str, reason: str = "abort", stop_reason=None) -> None:
         self.core.abort_request(request_id, reason, stop_reason)
@@ -200,6 +217,8 @@ class EngineWorker:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.core.structured is not None:
+            self.core.structured.close()
 
     @property
     def num_unscheduled(self) -> int:
@@ -299,6 +318,7 @@ class EngineWorker:
             finish_reason=request.finish_reason if final else None,
             stop_reason=request.stop_reason if final else None,
             error=request.error if final else None,
+            error_param=request.error_param if final else None,
             kv_lease=self._lease_of(request) if final else None,
         )
 

@@ -111,7 +111,13 @@ class OutputProcessor:
                     finish_reason, stop_reason = "stop", stop
                 break
         out = self._output(
-            update.request_id, tracked, finish_reason, stop_reason, metrics, update.error
+            update.request_id,
+            tracked,
+            finish_reason,
+            stop_reason,
+            metrics,
+            update.error,
+            update.error_param,
         )
         out.kv_transfer = update.kv_lease
         return out
@@ -136,6 +142,7 @@ class OutputProcessor:
         stop_reason,
         metrics: RequestMetrics,
         error: str | None,
+        error_param: str | None = None,
     ) -> RequestOutput:
         finished = finish_reason is not None
         if finished:
@@ -161,6 +168,7 @@ class OutputProcessor:
             finished=finished,
             metrics=metrics,
             error=error,
+            error_param=error_param,
             prompt_logprobs=tracked.prompt_logprobs,
             prompt_logprob_ranks=tracked.prompt_logprob_ranks,
         )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
+from quill.frontend.json_limits import DEFAULT_LIMITS, JsonLimits
 from quill.frontend.json_spans import JsonSpans, string_prefix
 
 # The grammar writes JSON without spaces; history is written the same way.
@@ -84,7 +85,8 @@ def read_tools(
     if tool_choice == "none":
         return functions, None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
             raise InvalidRequestError(
                 f"tool_choice names the function {name!r}, which is not in tools", "tool_choice"
@@ -188,7 +190,10 @@ def instructions(functions: list[Function], choice: ToolChoice) -> str:
 
 
 def render_conversation(
-    messages: list[dict], functions: list[Function] | None, choice: ToolChoice | None
+    messages: list[dict],
+    functions: list[Function] | None,
+    choice: ToolChoice | None,
+    limits: JsonLimits = DEFAULT_LIMITS,
 ) -> list[dict]:
     """The messages as a template without tool support takes them (role and content only).
 
@@ -196,7 +201,7 @@ def render_conversation(
     `tool_call_id` on tool results). With `functions` offered, their instructions join the
     system message and earlier text answers are written as {"response": ...}; calls and tool
     results are written in the format whether or not tools are offered now.
-    Raises ValueError for a call whose arguments are not JSON.
+    Raises ValueError for a call whose arguments are not JSON (or past `limits`).
     """
     offering = bool(functions) and choice is not None
     names: dict[str, str] = {}  # tool call id -> function name, for the results
@@ -208,10 +213,8 @@ def render_conversation(
             for call in m["tool_calls"]:
                 fn = call["function"]
                 names[call.get("id") or ""] = fn["name"]
-                try:
-                    arguments = json.loads(fn["arguments"])
-                except ValueError as e:
-                    raise ValueError(f"tool call {fn['name']!r} arguments are not JSON: {e}") from e
+                what = f"the arguments text of tool call {fn['name']!r}"
+                arguments = limits.parse_text(fn["arguments"], "messages", what)
                 calls.append({"name": fn["name"], "arguments": arguments})
             out.append({"role": "assistant", "content": _dump({"tool_calls": calls})})
         elif role == "assistant" and offering:

@@ -71,7 +71,9 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
     ctx = loaded.config.max_position_embeddings
     max_model_len = min(config.max_model_len or ctx, ctx)
     budget = config.max_num_batched_tokens or (512 if device.type == "cpu" else 8192)
-    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+    kv_cache_dtype = resolve_kv_cache_dtype(
+        config.kv_cache_dtype, dtype, device, dtype_asked=config.dtype != "auto"
+    )
     runner = ModelRunner(
         loaded.model,
         device,

@@ -51,14 +51,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_cache_dtype(
-    name: str, model_dtype: torch.dtype, device: torch.device
+    name: str, model_dtype: torch.dtype, device: torch.device, dtype_asked: bool = False
 ) -> torch.dtype:
-    """auto: 16-bit, halving the bytes every long-context step reads against fp32: the model's
-    dtype when it is 16-bit; else bf16 where the CPU has bf16 arithmetic (or on a GPU), fp16
-    (converted by F16C) where it has not."""
+    """auto: the model's dtype when it was asked for by name (`dtype_asked`: float32 weights
+    asked for mean float32 arithmetic, the KV cache's too) or when it is 16-bit; else 16-bit,
+    halving the bytes every long-context step reads against fp32: bf16 where the CPU has bf16
+    arithmetic (or on a GPU), fp16 (converted by F16C) where it has not."""
     if name != "auto":
         return getattr(torch, name)
-    if model_dtype in (torch.bfloat16, torch.float16):
+    if dtype_asked or model_dtype in (torch.bfloat16, torch.float16):
         return model_dtype
     if device.type == "cuda" or cpu_has_bf16():
         return torch.bfloat16

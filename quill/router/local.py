@@ -9,6 +9,7 @@ with status 1 (a supervisor restarts it), never a router answering for an instan
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,8 +19,10 @@ import httpx
 import uvicorn
 
 from quill.distributed.ports import free_port
+from quill.lifetime import child_setup
 from quill.router.app import build_router_app
 from quill.router.instances import DECODE, PREFILL, WHOLE
+from quill.server.serve import CleanExitServer
 
 _OWN_FLAGS = {"--disaggregate": 1, "--replicas": 1, "--port": 1, "--host": 1}
 
@@ -86,9 +89,9 @@ class LocalCluster:
                 cmd += ["--kv-transfer-port", str(free_port())]
             print(f"quill: starting a {role} instance on cores {sorted(cores)} at :{port}",
                   flush=True)  # fmt: skip
-            self.procs.append(
-                subprocess.Popen(cmd, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c))
-            )
+            # SIGTERM when this process ends, however it ends: the instance drains its
+            # streams and stops its engine (quill/lifetime.py).
+            self.procs.append(subprocess.Popen(cmd, preexec_fn=child_setup(signal.SIGTERM, cores)))
         deadline = time.monotonic() + timeout_s
         for proc, url in zip(self.procs, self.urls):
             while True:
@@ -127,7 +130,7 @@ class LocalCluster:
                 proc.kill()
 
 
-class _RouterServer(uvicorn.Server):
+class _RouterServer(CleanExitServer):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
         if self.started:  # bound: clients may come

@@ -5,7 +5,9 @@ under a lease (`kv_transfer_params.do_remote_decode`); its reply says where the 
 decode instance is sent the same request with those params, fetches the KV and writes the rest
 of the reply. A streamed reply starts with the prefill instance's first token as soon as it
 has it; the decode instance's stream repeats that token's text, so as much text is cut from
-its start. One request id (X-Request-Id) names the request on the router and both instances.
+its start. The router's request id goes to both instances as X-Request-Id, which they echo and
+log (each instance's engine names the request its own way: a client's id never addresses a
+request).
 
 What the split cannot carry goes whole to one instance (a decode instance can do both phases):
 several prompts or choices, echo, logprobs (the decode instance has no logprobs for a token it

@@ -20,6 +20,7 @@ from quill.server.console.routes import install_console, login_page
 from quill.server.constraints import CONSTRAINT_FIELDS
 from quill.server.context import ServerContext
 from quill.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
+from quill.server.fields import ignored_fields
 from quill.server.guard import ARRIVAL, RequestGuard
 from quill.server.openapi import install_openapi
 from quill.server.protocol import (
@@ -27,8 +28,6 @@ from quill.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    ignored_fields,
-    template_messages,
 )
 
 log = logging.getLogger(__name__)
@@ -84,10 +83,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
     if ctx.console:
         install_console(app, ctx)
     note_ignored = _IgnoredFieldLog()
+    validation = {"limits": ctx.json_limits}
 
     async def parse(request: Request, schema: type[BaseModel]):
         try:
-            req = schema.model_validate_json(await request.body())
+            req = schema.model_validate_json(await request.body(), context=validation)
         except ValidationError as e:
             error = from_validation_error(e)
             if error.param in CONSTRAINT_FIELDS:
@@ -160,7 +160,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
         def work() -> dict:
             if req.messages is not None:
-                messages = template_messages(req.messages)
+                messages = req.template_messages()
                 ids = encode_chat(tok, messages, req.add_generation_prompt is not False)
             else:
                 ids = tok.encode(req.prompt or "", req.add_special_tokens is not False)

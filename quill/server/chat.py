@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from quill.contract.errors import InvalidRequestError, ModelLoadError
 from quill.contract.outputs import RequestOutput, TokenLogprobs
@@ -16,7 +16,6 @@ from quill.frontend.tools import ToolChoice
 from quill.server.context import ServerContext
 from quill.server.generation import (
     Generation,
-    event_stream,
     json_logprob,
     sse,
     token_text,
@@ -67,17 +66,17 @@ async def create_chat_completion(
     if kv is not None:
         params = [kv.sampling_params(p) for p in params]
         scheduling |= kv.scheduling()
-    gen = Generation(ctx, ctx.request_id(raw.headers, "chatcmpl"), arrival_time)
+    gen = Generation.for_request(ctx, "chatcmpl", arrival_time, req, raw)
     await gen.submit([prompt], params, scheduling)
     fmt = _Formatter(gen, model, tok, req.top_logprobs or 0, req.tool_choice_made)
     fmt.prompt = (prompt, req.prompt_logprobs)
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
-        return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
+        return gen.stream(chunks)
     reply = await unless_disconnected(raw, gen, fmt.collect)
     if kv is not None and isinstance(reply, dict):
         reply["kv_transfer_params"] = kv.reply(gen)
-    return reply
+    return gen.respond(reply)
 
 
 class _Formatter:

@@ -14,12 +14,12 @@ import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from quill.contract.outputs import RequestOutput
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
-from quill.server.generation import Generation, event_stream, sse, unless_disconnected
+from quill.server.generation import Generation, sse, unless_disconnected
 from quill.server.kv_transfer import kv_transfer
 from quill.server.logprobs import TextOffsets, join, legacy_logprobs, vllm_prompt_logprobs
 from quill.server.protocol import CompletionRequest
@@ -57,7 +57,7 @@ async def create_completion(
     if kv is not None:
         params = [kv.sampling_params(p) for p in params]
         scheduling |= kv.scheduling()
-    gen = Generation(ctx, ctx.request_id(raw.headers, "cmpl"), arrival_time)
+    gen = Generation.for_request(ctx, "cmpl", arrival_time, req, raw)
     echo_scored = bool(req.echo) and req.logprobs is not None
     await gen.submit(
         token_prompts, params, scheduling, "logprobs" if echo_scored else "prompt_logprobs"
@@ -68,11 +68,11 @@ async def create_completion(
     fmt = _Formatter(gen, model, tok, req, [echoes[i // n] for i in range(gen.num_choices)])
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
-        return StreamingResponse(event_stream(gen, chunks), media_type="text/event-stream")
+        return gen.stream(chunks)
     reply = await unless_disconnected(raw, gen, fmt.collect)
     if kv is not None and isinstance(reply, dict):
         reply["kv_transfer_params"] = kv.reply(gen)
-    return reply
+    return gen.respond(reply)
 
 
 class _Echo:

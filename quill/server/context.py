@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quill.frontend.json_limits import JsonLimits
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.engine_client import EngineClient
 from quill.server.errors import APIError
@@ -26,6 +27,8 @@ class ServerContext:
     max_seqs_per_request: int = 256
     max_prompt_logprobs_tokens: int = 16384
     max_request_bytes: int = 4 << 20
+    # Bounds on the JSON inside a request's fields: schemas, tools, call arguments, grammars.
+    json_limits: JsonLimits = field(default_factory=JsonLimits)
     request_body_timeout: float = 30.0
     metrics_require_key: bool = False
     enable_api_docs: bool = False
@@ -106,15 +109,12 @@ class ServerContext:
                 param=param,
             )
 
-    def request_id(self, headers, prefix: str) -> str:
-        """The request's id: the caller's X-Request-Id (a router's, so that one request has one
-        id on every instance), else a fresh one."""
-        given = headers.get("x-request-id")
-        if given is None:
-            return f"{prefix}-{uuid.uuid4().hex}"
-        if not (0 < len(given) <= 128 and given.isascii() and given.isprintable()):
-            raise APIError(400, "X-Request-Id must be 1 to 128 printable ASCII characters")
-        return given
+    @staticmethod
+    def request_id(prefix: str) -> str:
+        """A request's id, the server's own and unique: a client's X-Request-Id is only
+        echoed back and logged (quill/server/guard.py), so that no client can name, and so
+        abort or collide with, another client's request."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     def check_prompt_length(self, text: str, param: str = "prompt") -> None:
         """Refuse, before tokenizing it, a text too long to fit the context in any tokenization.

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,7 @@ from quill.contract.outputs import RequestMetrics
 from quill.frontend.inputs import InputProcessor
 from quill.frontend.outputs import OutputProcessor
 from quill.frontend.tokenizer import Tokenizer
+from quill.lifetime import child_setup
 from quill.server.cores import split_cores
 
 log = logging.getLogger(__name__)
@@ -108,8 +110,9 @@ class EngineClient:
         self._process = subprocess.Popen(
             [sys.executable, "-m", "quill.engine.process", config, self._to_engine,
              self._from_engine, startup_address, self.log_level],
-            # Before the child starts: its compute threads are counted from its affinity.
-            preexec_fn=(lambda: os.sched_setaffinity(0, engine_cpus)) if engine_cpus else None,
+            # Before the child starts: its compute threads are counted from its affinity; and
+            # it ends when this process does, however that ends (quill/lifetime.py).
+            preexec_fn=child_setup(signal.SIGTERM, engine_cpus),
         )  # fmt: skip
         if self.api_cpus:
             os.sched_setaffinity(0, self.api_cpus)
@@ -240,10 +243,11 @@ class EngineClient:
     # -- requests (event loop) -------------------------------------------------------------
     async def add(
         self, requests: list[EngineRequest], prompt: str | None, queue: asyncio.Queue
-    ) -> None:
+    ) -> list[str]:
         """Send requests (their outputs go to `queue`, tagged with their place in the list)
         and wait until the engine took them: InvalidRequestError, OverloadedError or
-        EngineFailure for the first it refused (the caller aborts the others)."""
+        EngineFailure for the first it refused (the caller aborts the others). Returns the
+        engine's warnings about them (what of a constraint it does not enforce), once each."""
         if not self.is_alive or self._draining:
             raise EngineFailure(
                 "the server is shutting down" if self._draining else self._gone_message()
@@ -259,10 +263,12 @@ class EngineClient:
             futures.append(future)
             self._send(req)
         results = await asyncio.gather(*futures)
-        for result in results:
-            if result.error is not None:
-                self._refused(result.request_id)
-                raise _as_exception(result)
+        refused = [result for result in results if result.error is not None]
+        for result in refused:
+            self._refused(result.request_id)
+        if refused:
+            raise _as_exception(refused[0])
+        return list(dict.fromkeys(w for result in results for w in result.warnings))
 
     def abort(self, request_id: str) -> None:
         if request_id in self._sinks and self.is_alive:

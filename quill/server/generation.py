@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from quill.contract.errors import OverloadedError
+from quill.contract.errors import InvalidRequestError, OverloadedError
 from quill.contract.outputs import RequestMetrics, RequestOutput
 from quill.contract.sampling_params import SamplingParams
 from quill.frontend.tokenizer import Tokenizer
@@ -30,13 +30,41 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class RequestFailed(Exception):
+    """A request ended by its own fault after it was admitted (its grammar failed on the way):
+    a 4xx naming `param`, where an EngineFailure is the server's 5xx."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def api_error(self) -> APIError:
+        return APIError(400, self.message, param=self.param, code="constraint_failed")
+
+
 class Generation:
     """The engine requests behind one API request."""
 
-    def __init__(self, ctx: ServerContext, request_id: str, arrival_time: float) -> None:
+    def __init__(
+        self,
+        ctx: ServerContext,
+        request_id: str,
+        arrival_time: float,
+        constraint_field: str | None = None,
+        client_request_id: str | None = None,
+    ) -> None:
+        """`constraint_field`: the request field its constraint came from, named when the
+        engine refuses the constraint or a reply's grammar fails; `client_request_id`: the
+        client's X-Request-Id, for the log (never the engine's id)."""
         self.ctx = ctx
         self.request_id = request_id
+        self.client_request_id = client_request_id
+        if client_request_id is not None:
+            log.debug("%s: X-Request-Id %r", request_id, client_request_id)
         self.arrival_time = arrival_time
+        self.constraint_field = constraint_field
+        self.warnings: list[str] = []  # what of the constraint the engine does not enforce
         self.queue: asyncio.Queue = asyncio.Queue()
         self.engine_ids: list[str] = []
         self.prompt_lens: list[int] = []
@@ -74,7 +102,13 @@ class Generation:
             self.ctx.check_prompt_logprobs(num_scored, scoring_param)
         self.engine_ids = [r.request_id for r in requests]
         try:
-            await self.ctx.engine.add(requests, None, self.queue)
+            self.warnings = await self.ctx.engine.add(requests, None, self.queue)
+        except InvalidRequestError as e:
+            self.abort()
+            if e.param == "structured":  # the engine's name for the request's constraint
+                self.ctx.metrics.structured_refused.inc()
+                raise InvalidRequestError(e.message, self.constraint_field) from None
+            raise
         except EngineFailure as e:
             self.abort()
             raise APIError(503, str(e), "server_error", headers={"Retry-After": "1"}) from e
@@ -92,6 +126,19 @@ class Generation:
             self.abort()
             raise
 
+    @classmethod
+    def for_request(cls, ctx: ServerContext, prefix: str, arrival_time: float, req, raw: Request):
+        """The generation of an API request `req` (its constraint's field) that came as `raw`
+        (its X-Request-Id), under a fresh id of the server's own: `prefix`-<hex>."""
+        client_id = raw.headers.get("x-request-id")
+        return cls(ctx, ctx.request_id(prefix), arrival_time, req.constraint_field, client_id)
+
+    @property
+    def name(self) -> str:
+        """The request in a log line: its id, and the client's X-Request-Id if it sent one."""
+        given = self.client_request_id
+        return self.request_id if given is None else f"{self.request_id} (X-Request-Id {given!r})"
+
     @property
     def num_choices(self) -> int:
         return len(self.engine_ids)
@@ -107,6 +154,9 @@ class Generation:
             if isinstance(out, EngineFailure):
                 raise out
             if out.outputs[0].finish_reason == "error":
+                if out.error_param is not None:  # the request's own: its grammar failed
+                    param = self.constraint_field if out.error_param == "structured" else None
+                    raise RequestFailed(out.error or "the request failed", param)
                 raise EngineFailure(out.error or "the engine failed this request")
             self.num_generated[index] = len(out.outputs[0].token_ids)
             if out.metrics.num_cached_tokens is not None:
@@ -119,6 +169,25 @@ class Generation:
         for index, engine_id in enumerate(self.engine_ids):
             if index not in self.finished:
                 self.ctx.engine.abort(engine_id)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The reply's own headers: the engine's warnings about its constraint."""
+        if not self.warnings:
+            return {}
+        return {"X-Quill-Warning": f"{self.constraint_field}: " + "; ".join(self.warnings)}
+
+    def respond(self, reply: dict | Response) -> dict | Response:
+        """A whole reply with the generation's headers."""
+        if not self.warnings or isinstance(reply, Response):
+            return reply
+        return JSONResponse(reply, headers=self.headers)
+
+    def stream(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+        """A streamed reply (server-sent events) with the generation's headers."""
+        return StreamingResponse(
+            event_stream(self, chunks), media_type="text/event-stream", headers=self.headers
+        )
 
     # -- summaries ---------------------------------------------------------------------
     def usage(self) -> dict:
@@ -210,8 +279,10 @@ async def event_stream(gen: Generation, chunks: AsyncIterator[str]) -> AsyncIter
                 yield chunk
         except EngineFailure as e:
             yield sse(error_body(str(e), "server_error"))
+        except RequestFailed as e:
+            yield sse(e.api_error().body())
         except Exception:  # a bug here must still end the stream in a way clients understand
-            log.exception("stream %s failed", gen.request_id)
+            log.exception("stream %s failed", gen.name)
             yield sse(error_body("internal server error", "server_error"))
         yield "data: [DONE]\n\n"
     finally:
@@ -238,6 +309,8 @@ async def unless_disconnected(
         return task.result()
     except EngineFailure as e:
         raise APIError(500, str(e), "server_error") from e
+    except RequestFailed as e:
+        raise e.api_error() from e
 
 
 async def _disconnected(request: Request) -> None:

@@ -8,7 +8,11 @@ One ASGI layer, outermost, so that no route can forget a check:
   also keeps a web page from posting a "simple" text/plain request to a server on localhost,
   which a browser would send without asking;
 - the body's size, from Content-Length before reading and counted while reading (413);
-- a body that stalls is timed out (408), and a client that leaves halfway is one log line.
+- a body that stalls is timed out (408), and a client that leaves halfway is one log line;
+- the headers' size (431 past `MAX_HEADER_BYTES`), before any is parsed; the cookie is read by
+  a linear scan (Python's cookie parser is quadratic in a quoted value's backslashes);
+- a client's X-Request-Id: 1 to 128 printable ASCII characters (400 else), echoed back on the
+  response and named in the log, never used as the engine's id (which is the server's own).
 
 The body is read here, once, and replayed to the route; later `receive` calls (the disconnect
 watch of non-streaming requests) go to the client.
@@ -22,7 +26,6 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from http.cookies import CookieError, SimpleCookie
 
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
@@ -37,6 +40,10 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+# All request headers together, names and values: browsers send a few KiB at most (nginx's
+# default line limit is 8 KiB).
+MAX_HEADER_BYTES = 32 << 10
+REQUEST_ID = "x-request-id"
 
 
 def _digest(text: str) -> bytes:
@@ -85,7 +92,20 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         scope[ARRIVAL] = time.monotonic()
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            await _error(431, f"The request's headers exceed {MAX_HEADER_BYTES} bytes.")(
+                scope, receive, send
+            )
+            return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        client_id = headers.get(REQUEST_ID)
+        if client_id is not None:
+            if not (0 < len(client_id) <= 128 and client_id.isascii() and client_id.isprintable()):
+                await _error(400, "X-Request-Id must be 1 to 128 printable ASCII characters")(
+                    scope, receive, send
+                )
+                return
+            send = _echo_request_id(send, client_id)
         refusal = self._refusal(scope, headers)
         if refusal is not None:
             await refusal(scope, receive, send)
@@ -108,15 +128,8 @@ class RequestGuard:
         given = _digest(headers.get("authorization", ""))
         if hmac.compare_digest(given, self.expected_key):
             return True
-        cookie = SimpleCookie()
-        try:
-            cookie.load(headers.get("cookie", ""))
-        except CookieError:
-            return False
-        morsel = cookie.get(self.cookie_name)
-        return morsel is not None and hmac.compare_digest(
-            _digest(morsel.value), self.expected_cookie
-        )
+        value = cookie_value(headers.get("cookie", ""), self.cookie_name)
+        return value is not None and hmac.compare_digest(_digest(value), self.expected_cookie)
 
     def _refusal(self, scope, headers: dict[str, str]) -> Response | None:
         if self.expected_key is not None and scope["path"] not in self.open_paths:
@@ -184,6 +197,30 @@ def _error(status: int, message: str, code: str | None = None, headers=None) -> 
         status_code=status,
         headers=headers,
     )
+
+
+def cookie_value(header: str, name: str) -> str | None:
+    """The value of cookie `name` in a Cookie header (quotes around it removed), in one pass."""
+    for part in header.split(";"):
+        key, sep, value = part.partition("=")
+        if sep and key.strip() == name:
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = value[1:-1]
+            return value
+    return None
+
+
+def _echo_request_id(send: Send, request_id: str) -> Send:
+    """`send` with the client's X-Request-Id added to the response's headers."""
+    echoed = (REQUEST_ID.encode(), request_id.encode())
+
+    async def echoing(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), echoed]}
+        await send(message)
+
+    return echoing
 
 
 def _where(scope) -> tuple[str, str]:

@@ -1,17 +1,8 @@
 """Request schemas of the OpenAI-compatible API, and their translation to SamplingParams.
 
-Field policy (what a client can rely on):
-- A field quill implements is parsed strictly (no "16" for 16, no 1 for true) and range-checked
-  against what the engine can represent (64-bit integers, finite floats); a bad value is a 400
-  naming the field.
-- OpenAI's fields and vLLM's extensions that benchmark clients and SDKs send are implemented with
-  their meaning (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stream_options with
-  continuous_usage_stats, include_stop_str_in_output, skip_special_tokens, ...).
-- A field quill knows but does not implement is a 400 when ignoring it would silently change the
-  result (`UNSUPPORTED`: suffix, functions, ...), and accepted when its value
-  asks for nothing (an empty list, false, null).
-- A field quill does not know is ignored, as vLLM does, and named in a warning in the log
-  (`ignored_fields`): a client written for a newer API still works.
+The field policy they follow (strict types, unsupported fields refused, unknown ones named in
+the log, JSON inside fields bounded) is quill/server/fields.py's; the fields that constrain a
+reply are typed in quill/server/constraints.py.
 
 Responses are built as plain dicts in the endpoint modules: per streamed token, a pydantic model
 would cost more than the token.
@@ -19,13 +10,16 @@ would cost more than the token.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+import dataclasses
+import json
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
 
 from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 from quill.contract.sampling_params import SamplingParams
+from quill.frontend.json_limits import DEFAULT_LIMITS, JsonLimits
 from quill.frontend.tools import (
     Function,
     ToolChoice,
@@ -33,71 +27,28 @@ from quill.frontend.tools import (
     render_conversation,
     reply_constraint,
 )
-from quill.server.constraints import CONSTRAINT_FIELDS, checked, constraint_of
+from quill.server.constraints import (
+    CONSTRAINT_FIELDS,
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolChoiceField,
+    constraint_of,
+)
+from quill.server.fields import INT64_MAX, INT64_MIN, Count, Int64, Lenient, limits_of
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # torch.Generator.manual_seed takes any int in this range; a seed outside it would fail inside
 # an engine step, so it is refused at the door.
 _SEED_MIN, _SEED_MAX = INT64_MIN, 2**64 - 1
 
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
-# Known fields that change what is generated and that quill does not implement: refused when
-# they ask for something, so that ignoring them never changes a result silently.
-UNSUPPORTED: dict[str, str] = {
-    "suffix": "suffix (insertion) is not supported",
-    "functions": "functions (function calling) are not supported",
-    "function_call": "function_call is not supported",
-    "use_beam_search": "beam search is not supported",
-    "bad_words": "bad_words is not supported",
-    "allowed_token_ids": "allowed_token_ids is not supported",
-    "logits_processors": "logits_processors are not supported",
-    "prediction": "predicted outputs are not supported",
-    "audio": "audio output is not supported",
-    "chat_template": "a per-request chat_template is not supported",
-    "continue_final_message": "continue_final_message is not supported",
-}
-
-
-def _asks_for_something(value: Any) -> bool:
-    # Identity for None and False: 0 is a request too (logprobs=0 asks for the chosen ones).
-    return not (value is None or value is False or value in ("", [], {}))
-
-
-def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted names of the fields a parsed request carried that quill does not know."""
-    names = [prefix + k for k in (model.model_extra or {})]
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        items = value if isinstance(value, list) else [value]
-        for i, item in enumerate(items):
-            if isinstance(item, BaseModel):
-                index = f".{i}" if isinstance(value, list) else ""
-                names += ignored_fields(item, f"{prefix}{name}{index}.")
-    return names
-
-
-class _Lenient(BaseModel):
-    """Known fields strict; unknown ones kept aside (model_extra) to be named and ignored."""
-
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-
-    @model_validator(mode="after")
-    def _refuse_unsupported(self):
-        for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and _asks_for_something(value):
-                raise InvalidRequestError(UNSUPPORTED[name], param=name)
-        return self
-
-
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool | None = False
     # vLLM's extension: usage (so far) in every chunk, not only in a last one.
     continuous_usage_stats: bool | None = False
 
 
-class KVTransferParams(_Lenient):
+class KVTransferParams(Lenient):
     """Disaggregation's request field (named as vLLM's): to a prefill instance,
     `do_remote_decode` (compute the prompt and its first token, and hold the KV for a decode
     instance); to a decode instance, `do_remote_prefill` and where the prompt's KV is (what
@@ -139,7 +90,7 @@ _REMOTE_FIELDS = (
 )
 
 
-class _SamplingRequest(_Lenient):
+class _SamplingRequest(Lenient):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # optional as in vLLM and llama.cpp: defaults to the served model
@@ -177,13 +128,15 @@ class _SamplingRequest(_Lenient):
     # Disaggregation (quill serve --role, quill router).
     kv_transfer_params: KVTransferParams | None = None
     # Structured output: one of these a request (quill/server/constraints.py).
-    response_format: dict | None = None
-    structured_outputs: dict | None = None
-    guided_json: dict | str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | bool | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     _constraint: Constraint | None = PrivateAttr(None)
+    _constraint_field: str | None = PrivateAttr(None)  # the field it came from
+    _limits: JsonLimits = PrivateAttr(DEFAULT_LIMITS)
     # OpenAI's: token id (as a JSON key) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     # vLLM's: each prompt token's logprob and the top n there (not streamed, as in vLLM).
@@ -196,7 +149,8 @@ class _SamplingRequest(_Lenient):
     length_penalty: float | None = None  # beam search only
 
     @model_validator(mode="after")
-    def _check_common(self):
+    def _check_common(self, info: ValidationInfo):
+        self._limits = limits_of(info)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -215,9 +169,16 @@ class _SamplingRequest(_Lenient):
             raise InvalidRequestError(
                 "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
             )
-        fields = {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
-        self._constraint = constraint_of(fields)
+        fields = {name: getattr(self, name) for name in CONSTRAINT_FIELDS if name != "tools"}
+        found = constraint_of(fields, self._limits)
+        if found is not None:
+            self._constraint_field, self._constraint = found
         return self
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field whose constraint the reply follows (named in the engine's refusals)."""
+        return self._constraint_field
 
     _scoring_fields: ClassVar[str] = "prompt_logprobs"  # what max_tokens 0 needs beside it
 
@@ -352,23 +313,23 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(Lenient):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Lenient):
+class ToolCall(Lenient):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     # "developer" is OpenAI's newer name for "system".
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -393,13 +354,14 @@ def template_messages(
     messages: list[ChatMessage],
     functions: list[Function] | None = None,
     tool_choice: ToolChoice | None = None,
+    limits: JsonLimits = DEFAULT_LIMITS,
 ) -> list[dict]:
     """The conversation as the chat template takes it: tool calls and results written in the
     generic tool format (quill/frontend/tools.py), the functions offered in the system
     message when the reply may call them."""
     try:
         return render_conversation([m.as_template_dict() for m in messages], functions,
-                                   tool_choice)  # fmt: skip
+                                   tool_choice, limits)  # fmt: skip
     except ValueError as e:
         raise InvalidRequestError(str(e), param="messages") from e
 
@@ -410,8 +372,8 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool | None = True
     # Function calling (quill/server/tools.py); tool_choice defaults to "auto" with tools.
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool | None = None
     _functions: list[Function] = PrivateAttr(default_factory=list)
     _tool_choice: ToolChoice | None = PrivateAttr(None)
@@ -424,18 +386,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
             )
-        self._functions, self._tool_choice = read_tools(
-            self.tools, self.tool_choice, self.parallel_tool_calls
-        )
-        if self._tool_choice is not None:
-            if self._constraint is not None:
-                raise InvalidRequestError(
-                    "a reply can follow structured outputs or tools, not both "
-                    '(tool_choice "none" leaves the tools unused)',
-                    param="tools",
-                )
-            self._constraint = checked(reply_constraint(self._functions, self._tool_choice),
-                                       "tools")  # fmt: skip
+        self._read_tools()
         if self.modalities and set(self.modalities) != {"text"}:
             raise InvalidRequestError("only the text modality is supported", param="modalities")
         for m in self.messages:
@@ -447,6 +398,31 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise InvalidRequestError("only assistant messages have tool_calls", "messages")
         return self
 
+    def _read_tools(self) -> None:
+        limits = self._limits
+        tools = None if self.tools is None else [t.model_dump(by_alias=True) for t in self.tools]
+        for i, tool in enumerate(tools or []):
+            parameters = tool["function"].get("parameters")
+            if parameters is not None:
+                limits.check_value(parameters, "tools", f"tools.{i}.function.parameters")
+        choice = self.tool_choice
+        if choice is not None and not isinstance(choice, str):
+            choice = choice.model_dump()
+        self._functions, self._tool_choice = read_tools(tools, choice, self.parallel_tool_calls)
+        if self._tool_choice is None:
+            return
+        if self._constraint is not None:
+            raise InvalidRequestError(
+                "a reply can follow structured outputs or tools, not both "
+                '(tool_choice "none" leaves the tools unused)',
+                param="tools",
+            )
+        constraint = reply_constraint(self._functions, self._tool_choice)
+        # All the functions' schemas in one: a little deeper than each, as many $refs as all.
+        together = dataclasses.replace(limits, max_json_depth=limits.max_json_depth + 8)
+        together.check_value(json.loads(constraint.value), "tools", "the tools' schemas together")
+        self._constraint, self._constraint_field = constraint, "tools"
+
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -457,10 +433,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._tool_choice
 
     def template_messages(self) -> list[dict]:
-        return template_messages(self.messages, self._functions, self._tool_choice)
+        return template_messages(self.messages, self._functions, self._tool_choice, self._limits)
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -468,13 +444,19 @@ class TokenizeRequest(_Lenient):
     add_generation_prompt: bool | None = True
     return_token_strs: bool | None = False
 
+    _limits: JsonLimits = PrivateAttr(DEFAULT_LIMITS)
+
     @model_validator(mode="after")
-    def _one_input(self):
+    def _one_input(self, info: ValidationInfo):
+        self._limits = limits_of(info)
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
         return self
 
+    def template_messages(self) -> list[dict]:
+        return template_messages(self.messages or [], limits=self._limits)
 
-class DetokenizeRequest(_Lenient):
+
+class DetokenizeRequest(Lenient):
     model: str | None = None
     tokens: list[Int64]

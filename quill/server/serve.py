@@ -22,6 +22,7 @@ import uvicorn
 
 from quill.distributed.ports import free_port
 from quill.engine_args import add_engine_arguments, engine_options, parse_bytes
+from quill.frontend.json_limits import JsonLimits
 from quill.server.app import build_app
 from quill.server.console.routes import DEFAULT_FIGURE_DIRS
 from quill.server.context import ServerContext
@@ -68,6 +69,32 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_bytes,
         default=4 << 20,
         help="largest request body accepted (e.g. 4MiB); past it, 413 before parsing",
+    )
+    limits = JsonLimits()
+    parser.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=limits.max_json_depth,
+        help="deepest nesting of objects and arrays in one JSON value inside a request (a "
+        "schema, a tool's parameters, a call's arguments); past it, 400",
+    )
+    parser.add_argument(
+        "--max-json-values",
+        type=int,
+        default=limits.max_json_values,
+        help="most values (objects, arrays, strings, numbers) in one such JSON value; past it, 400",
+    )
+    parser.add_argument(
+        "--max-schema-refs",
+        type=int,
+        default=limits.max_schema_refs,
+        help="most $ref references in one JSON schema (a request's tools together); past it, 400",
+    )
+    parser.add_argument(
+        "--max-grammar-chars",
+        type=int,
+        default=limits.max_grammar_chars,
+        help="longest regular expression or grammar a request may give as text; past it, 400",
     )
     parser.add_argument(
         "--request-body-timeout",
@@ -151,7 +178,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
 
 
-class QuillServer(uvicorn.Server):
+class CleanExitServer(uvicorn.Server):
+    """uvicorn's server, returning from `run` after a signal instead of dying of it.
+
+    uvicorn re-raises a SIGTERM or SIGINT once it has shut down, so its process dies of the
+    signal before the code after `run` (which stops the processes it started) can run. quill
+    has shut down cleanly by then, so it exits 0 instead.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+
+class QuillServer(CleanExitServer):
     """uvicorn's server, plus: drain the engine on the first signal, print a ready line."""
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext, announce: bool = True) -> None:
@@ -197,16 +241,6 @@ class QuillServer(uvicorn.Server):
         else:
             self.request_shutdown()
 
-    @contextlib.contextmanager
-    def capture_signals(self):
-        # uvicorn re-raises the signal once it has shut down; quill has already stopped
-        # cleanly by then, so it exits 0 instead of dying of the signal.
-        with super().capture_signals():
-            yield
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):
-                captured.clear()
-
 
 def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer:
     """Load the engine (slow) and wrap it in an app and a server; nothing is bound yet."""
@@ -232,6 +266,12 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         max_seqs_per_request=args.max_seqs_per_request,
         max_prompt_logprobs_tokens=args.max_prompt_logprobs_tokens,
         max_request_bytes=args.max_request_bytes,
+        json_limits=JsonLimits(
+            args.max_json_depth,
+            args.max_json_values,
+            args.max_schema_refs,
+            args.max_grammar_chars,
+        ),  # fmt: skip
         request_body_timeout=args.request_body_timeout,
         metrics_require_key=args.metrics_require_key,
         enable_api_docs=args.enable_api_docs,
@@ -256,7 +296,8 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of `quill serve`; returns the process exit code."""
     flags = ("max_queued_requests", "max_seqs_per_request", "max_prompt_logprobs_tokens",
-             "max_request_bytes")  # fmt: skip
+             "max_request_bytes", "max_json_depth", "max_json_values", "max_schema_refs",
+             "max_grammar_chars")  # fmt: skip
     for flag in flags:
         value = getattr(args, flag)
         if value is not None and value < 1:

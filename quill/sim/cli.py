@@ -244,7 +244,7 @@ def _setup(args: argparse.Namespace):
         raise ValueError(f"--capacity-tolerance must be below 1, got {args.capacity_tolerance}")
     bytes_per_param = None if args.dtype == "auto" else bytes_per_element(args.dtype)
     model = ModelSpec.resolve(args.model, bytes_per_param)
-    model.kv_bytes_per_element = kv_bytes_per_element(args.kv_cache_dtype)
+    model.kv_bytes_per_element = kv_bytes_per_element(args.kv_cache_dtype, args.dtype)
     hardware = HardwareSpec.resolve(args.hardware)
     if args.disaggregate and hardware.interconnect_bandwidth is None:
         raise ValueError(f"--disaggregate needs the interconnect bandwidth of {hardware.name}")

@@ -3,14 +3,21 @@
 llguidance (torch-free, no dependencies) turns a JSON schema, a regular expression or a Lark
 grammar into a matcher that gives, token by token, the bitmask of tokens that may come next
 (bit t of byte t // 8, least significant first: the layout `SeqPlan.token_bitmask` carries)
-and refuses, with its own message, any schema feature it cannot enforce. Compiled grammars and
-failures are cached by constraint, so a repeated bad schema costs nothing twice.
+and refuses, with its own message, a grammar it cannot compile. A schema keyword it cannot
+enforce (uniqueItems, if/then, contains, ...) is ignored and named in the compile's warnings,
+as vLLM and llama.cpp serve such schemas. Compiled grammars and failures are cached by
+constraint (the most recent `CACHE_SIZE`), so a repeated schema costs nothing twice.
+
+Compiling recurses on the C stack: call `compile` and make matchers on a deep-stack thread
+(quill/structured/threads.py).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
@@ -19,9 +26,11 @@ from llguidance.gbnf_to_lark import GbnfToLarkError
 from quill.contract.constraint import Constraint
 
 # JSON without free whitespace between tokens (", " and ": " as separators): a model may
-# otherwise pad a reply with whitespace until it runs out of tokens. A schema's own
-# "x-guidance" options override this.
-_COMPACT = {"whitespace_flexible": False}
+# otherwise pad a reply with whitespace until it runs out of tokens. Keywords the library
+# cannot enforce are ignored with a warning (lenient). A schema's own "x-guidance" options
+# override these.
+_COMPACT = {"whitespace_flexible": False, "lenient": True}
+CACHE_SIZE = 512
 
 
 # A number in a JSON reply has at most this many digits before and after its point (as in
@@ -90,6 +99,14 @@ def grammar_text(constraint: Constraint) -> str:
     return llguidance.LLMatcher.grammar_from_lark(value)
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """A checked grammar, and what of its constraint it does not enforce (the warnings)."""
+
+    grammar: str
+    warnings: tuple[str, ...] = ()
+
+
 class Grammars:
     """Compiles and caches grammars for one model's tokenizer (`tokenizer.json`), whose
     end-of-text ids are the model's own (they end a constrained reply)."""
@@ -99,31 +116,42 @@ class Grammars:
             str(tokenizer_json), n_vocab=vocab_size, eos_token=list(end_token_ids)
         )
         self.vocab_size = vocab_size
-        self._cache: dict[Constraint, str | GrammarError] = {}
+        self.end_token_ids = frozenset(end_token_ids)
+        self._cache: OrderedDict[Constraint, Compiled | GrammarError] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, constraint: Constraint) -> str:
+    def compile(self, constraint: Constraint) -> Compiled:
         """The checked grammar; raises GrammarError (cached, as the grammar is)."""
         with self._lock:
             found = self._cache.get(constraint)
+            if found is not None:
+                self._cache.move_to_end(constraint)
         if found is None:
-            try:
-                found = grammar_text(constraint)
-                problem = llguidance.LLMatcher.validate_grammar(found, self.tokenizer)
-                if problem and not problem.startswith("WARNING"):
-                    found = GrammarError(problem)
-            except GrammarError as e:
-                found = e
-            except (ValueError, RuntimeError, GbnfToLarkError) as e:  # the library's refusal
-                found = GrammarError(str(e))
+            found = self._compile(constraint)
             with self._lock:
                 self._cache[constraint] = found
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
         if isinstance(found, GrammarError):
             raise found
         return found
 
+    def _compile(self, constraint: Constraint) -> Compiled | GrammarError:
+        try:
+            grammar = grammar_text(constraint)
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.tokenizer
+            )
+        except GrammarError as e:
+            return e
+        except (ValueError, RuntimeError, RecursionError, GbnfToLarkError) as e:
+            return GrammarError(str(e))  # the library's refusal
+        if failed:
+            return GrammarError(messages[0] if messages else "the grammar is invalid")
+        return Compiled(grammar, tuple(messages))
+
     def matcher(self, constraint: Constraint) -> Matcher:
-        return Matcher(self.tokenizer, self.compile(constraint))
+        return Matcher(self.tokenizer, self.compile(constraint).grammar)
 
 
 class Matcher:
@@ -134,8 +162,17 @@ class Matcher:
         self._check()
 
     def bitmask(self) -> bytes:
-        """Tokens allowed next: bit t of byte t // 8 (the model's end ids once complete)."""
-        return self._matcher.compute_bitmask()
+        """Tokens allowed next: bit t of byte t // 8 (the model's end ids once complete).
+        Raises GrammarError when the matcher failed (a parser limit passed, say)."""
+        mask = self._matcher.compute_bitmask()
+        self._check()
+        return mask
+
+    def copy(self) -> Matcher:
+        """An independent matcher at the same place (to try tokens without moving this one)."""
+        twin = Matcher.__new__(Matcher)
+        twin._matcher = self._matcher.deep_copy()
+        return twin
 
     def accept(self, token_id: int) -> None:
         """Take the sampled token; raises GrammarError if the grammar does not allow it."""

@@ -1,36 +1,62 @@
-"""The engine's side of structured output: a matcher per constrained request, made off the
-engine loop under a deadline, its mask in every step that samples the request, and each
-token it samples taken in after. Torch-free, like the engine core that holds it.
+"""The engine's side of structured output: a matcher per constrained request, prepared before
+the request is admitted, its mask in every step that samples the request, and each token it
+samples taken in after. Torch-free, like the engine core that holds it.
+
+Preparing a request (`prepare`) happens on a deep-stack grammar thread (quill/structured/
+threads.py), off the engine loop and off the thread that receives requests: the grammar is
+compiled (cached), the request's matcher made, and a copy of it walks `probe_tokens` tokens
+through its masks (a seeded random path of allowed tokens), each mask timed. A grammar the
+library refuses, or whose masks already cost more than the budget, is the client's error (an
+InvalidRequestError, a 400) before the request is queued. A grammar whose masks grow past the
+budget later, as the reply lengthens, ends that reply with the same kind of error.
 """
 
 from __future__ import annotations
 
+import random
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
 
 from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 from quill.structured.grammar import GrammarError, Grammars, Matcher
+from quill.structured.threads import DeepStackThreads
 
 # The most one token's mask may cost: masks are computed on the engine thread, so a grammar
 # whose parse grows with the reply (an ambiguous Lark grammar can reach a third of a second a
 # token within 200 tokens) would slow every neighbour's step. Typical masks cost 0.1 ms.
 MASK_BUDGET_S = 0.025
+# Tokens the preparation walks through a fresh matcher's masks before admitting its request.
+PROBE_TOKENS = 16
+PARAM = "structured"  # the field the engine names; the server names the request's own
+
+
+@dataclass
+class Prepared:
+    """A constrained request's matcher, ready for its first step."""
+
+    matcher: Matcher
+    warnings: tuple[str, ...] = ()  # what of the constraint the grammar does not enforce
 
 
 class ReplyMatchers:
     def __init__(
         self,
         grammars: Grammars,
-        compile_timeout_s: float = 10.0,
         mask_budget_s: float = MASK_BUDGET_S,
+        probe_tokens: int = PROBE_TOKENS,
+        prepare_timeout_s: float = 10.0,
     ) -> None:
         self.grammars = grammars
-        self.compile_timeout_s = compile_timeout_s
         self.mask_budget_s = mask_budget_s
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="quill-grammar")
-        self._making: dict[str, tuple[Future, float]] = {}  # request id -> (future, deadline)
-        # request id -> [matcher, tokens taken, seconds its last mask took]
+        self.probe_tokens = probe_tokens
+        self.prepare_timeout_s = prepare_timeout_s
+        self._threads = DeepStackThreads(2, "quill-grammar")
+        # request id -> [matcher, tokens taken, seconds its last mask took, why it failed]
         self._matchers: dict[str, list] = {}
         self.num_refused = 0
         self.num_over_budget = 0
@@ -39,73 +65,107 @@ class ReplyMatchers:
         self.num_masks = 0
         self.mask_seconds = 0.0
 
-    def check(self, constraint: Constraint) -> None:
-        """Refuse a constraint the library cannot enforce (the grammar is cached after)."""
+    # -- before admission (any thread) -------------------------------------------------------
+    def prepare(self, constraint: Constraint) -> Future:
+        """A future of the constraint's `Prepared` matcher; it raises InvalidRequestError
+        when the grammar cannot be enforced or its first masks cost more than the budget."""
+        return self._threads.submit(self._prepare, constraint)
+
+    def prepare_now(self, constraint: Constraint) -> Prepared:
+        """`prepare`, waited for (at most `prepare_timeout_s`)."""
+        future = self.prepare(constraint)
         try:
-            self.grammars.compile(constraint)
+            return future.result(self.prepare_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise self.timed_out() from None
+
+    def timed_out(self) -> InvalidRequestError:
+        self.num_refused += 1
+        return InvalidRequestError(
+            f"structured output: the grammar was not ready within {self.prepare_timeout_s:g} s",
+            PARAM,
+        )
+
+    def _prepare(self, constraint: Constraint) -> Prepared:
+        started = time.perf_counter()
+        try:
+            compiled = self.grammars.compile(constraint)
+            matcher = Matcher(self.grammars.tokenizer, compiled.grammar)
+            self.compile_seconds += time.perf_counter() - started
+            self.num_compiled += 1
+            slowest, at = self._probe(matcher.copy(), constraint)
         except GrammarError as e:
             self.num_refused += 1
-            raise InvalidRequestError(f"{constraint.kind}: {e}", param="structured") from e
+            raise InvalidRequestError(f"{constraint.kind}: {e}", PARAM) from None
+        if slowest > self.mask_budget_s:
+            self.num_refused += 1
+            raise InvalidRequestError(
+                f"structured output: the grammar's token mask took {slowest * 1e3:.1f} ms at "
+                f"token {at}, more than the {self.mask_budget_s * 1e3:g} ms a reply may add to "
+                "every step (make the grammar less ambiguous or smaller)",
+                PARAM,
+            )
+        return Prepared(matcher, compiled.warnings)
 
-    def start(self, request_id: str, constraint: Constraint, now: float) -> None:
-        future = self._pool.submit(self._make, constraint)
-        self._making[request_id] = (future, now + self.compile_timeout_s)
+    def _probe(self, matcher: Matcher, constraint: Constraint) -> tuple[float, int]:
+        """The slowest of the first masks along a seeded random path of allowed tokens, and
+        the token it was at. Raises GrammarError if the matcher fails on the way."""
+        rng = random.Random(zlib.crc32(constraint.value.encode()))
+        ends = np.fromiter(self.grammars.end_token_ids, np.int64)
+        vocab = self.grammars.vocab_size
+        slowest, at = 0.0, 0
+        for position in range(self.probe_tokens):
+            started = time.perf_counter()
+            mask = matcher.bitmask()
+            took = time.perf_counter() - started
+            if took > slowest:
+                slowest, at = took, position
+            if slowest > self.mask_budget_s or matcher.is_finished:
+                break
+            bits = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")[:vocab]
+            choices = np.setdiff1d(np.flatnonzero(bits), ends, assume_unique=True)
+            if not len(choices):
+                break
+            matcher.accept(int(choices[rng.randrange(len(choices))]))
+        return slowest, at
 
-    def _make(self, constraint: Constraint) -> Matcher:
-        started = time.perf_counter()
-        matcher = self.grammars.matcher(constraint)
-        self.compile_seconds += time.perf_counter() - started
-        self.num_compiled += 1
-        return matcher
-
-    @property
-    def num_making(self) -> int:
-        return len(self._making)
-
-    def ready(self, now: float) -> tuple[list[str], dict[str, str]]:
-        """Requests whose matcher is made (ready to schedule), and those that failed, why."""
-        done, failed = [], {}
-        for request_id, (future, deadline) in list(self._making.items()):
-            if future.done():
-                del self._making[request_id]
-                try:
-                    self._matchers[request_id] = [future.result(), 0, 0.0]
-                    done.append(request_id)
-                except GrammarError as e:
-                    failed[request_id] = f"structured output: {e}"
-            elif now > deadline:
-                del self._making[request_id]
-                future.cancel()
-                failed[request_id] = (
-                    f"structured output: the grammar did not compile within "
-                    f"{self.compile_timeout_s:g} s"
-                )
-        return done, failed
-
-    def wait(self, timeout_s: float) -> None:
-        """Block until a matcher is made or `timeout_s` passes (nothing else to run)."""
-        futures = [f for f, _ in self._making.values()]
-        if futures:
-            wait(futures, timeout_s, return_when="FIRST_COMPLETED")
+    # -- the engine thread -------------------------------------------------------------------
+    def attach(self, request_id: str, prepared: Prepared) -> None:
+        """The request's matcher from now on (its request was admitted)."""
+        self._matchers[request_id] = [prepared.matcher, 0, 0.0, None]
 
     def bitmask(self, request_id: str) -> bytes | None:
         entry = self._matchers.get(request_id)
         if entry is None:
             return None
         started = time.perf_counter()
-        mask = entry[0].bitmask()
+        try:
+            mask = entry[0].bitmask()
+        except GrammarError as e:  # a parser limit passed: the reply ends after this step
+            entry[3] = f"structured output: {e}"
+            mask = self._ends_only()
         entry[2] = time.perf_counter() - started
         self.mask_seconds += entry[2]
         self.num_masks += 1
         return mask
 
+    def _ends_only(self) -> bytes:
+        mask = bytearray((self.grammars.vocab_size + 7) // 8)
+        for token in self.grammars.end_token_ids:
+            mask[token // 8] |= 1 << (token % 8)
+        return bytes(mask)
+
     def take(self, request_id: str, output_token_ids: list[int]) -> str | None:
-        """Take the reply's tokens not yet taken; why the grammar refused one (or its last
-        mask cost more than the budget), or None."""
+        """Take the reply's tokens not yet taken; why the reply must end (the grammar refused
+        a token or failed, or its last mask cost more than the budget), or None. Each is the
+        request's own error (a 4xx), not the engine's."""
         entry = self._matchers.get(request_id)
         if entry is None:
             return None
-        matcher, taken, mask_seconds = entry
+        matcher, taken, mask_seconds, failed = entry
+        if failed is not None:
+            return failed
         if mask_seconds > self.mask_budget_s:
             self.num_over_budget += 1
             return (
@@ -124,6 +184,6 @@ class ReplyMatchers:
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
-        making = self._making.pop(request_id, None)
-        if making is not None:
-            making[0].cancel()
+
+    def close(self) -> None:
+        self._threads.close()

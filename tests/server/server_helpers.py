@@ -30,3 +30,22 @@ def engine_call(server, name: str, *args, timeout: float = 30.0):
 
     future = asyncio.run_coroutine_threadsafe(server.ctx.engine.call(name, *args), server.loop)
     return future.result(timeout)
+
+
+def still_running(processes, timeout: float) -> list:
+    """Those of `processes` (psutil.Process) still running after `timeout` seconds; an ended
+    process that nobody has reaped yet (a zombie) counts as ended."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for p in processes:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    running.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)

@@ -15,6 +15,7 @@ import time
 import httpx
 import psutil
 import pytest
+from server_helpers import still_running
 
 KEY = "env-key"
 
@@ -161,3 +162,48 @@ def test_disaggregate_serves_through_a_router_and_stops_when_an_instance_dies():
         assert not alive
     finally:
         served.kill()
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"]
+)
+def test_no_process_outlives_the_router(sig):
+    """`quill serve --disaggregate 1:1` started four processes (two instances, their two
+    engines); however the router ends, a signal it handles or SIGKILL, all four end within
+    5 s (the kernel tells each child its parent ended: quill/lifetime.py)."""
+    served = ServeProcess(*SMALL, "--disaggregate", "1:1")
+    family = []
+    try:
+        served.wait_for(r"router at ", timeout=300)
+        served.wait_for(r"quill: ready")
+        family = psutil.Process(served.proc.pid).children(recursive=True)
+        assert len(family) == 4, family
+        served.proc.send_signal(sig)
+        assert not still_running(family, timeout=5.0)
+        served.proc.wait(5)
+    finally:
+        served.kill()
+        for p in still_running(family, timeout=0):  # after a failure: none left for later tests
+            p.kill()
+
+
+def test_an_engine_still_loading_ends_with_its_server():
+    """SIGKILL of `quill serve` while its engine process loads the model: the engine ends too
+    (before, it loaded on, then served nobody until its parent watch began)."""
+    served = ServeProcess(*SMALL)
+    try:
+        engine = wait_for_child(served.proc.pid)
+        served.proc.kill()
+        assert not still_running([engine], timeout=5.0)
+    finally:
+        served.kill()
+
+
+def wait_for_child(pid: int, timeout: float = 60.0) -> psutil.Process:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = psutil.Process(pid).children()
+        if children:
+            return children[0]
+        time.sleep(0.01)
+    raise AssertionError("no engine process was started")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import psutil
+from server_helpers import still_running
 from test_server_cli import KEY, ServeProcess, stream_and_kill
 
 from quill.contract.sampling_params import SamplingParams
@@ -75,5 +76,10 @@ def test_tp2_over_http_matches_one_rank(tmp_path, model_dir):
                 extra_body={"ignore_eos": True},
             )
             assert resp.choices[0].text == text and resp.usage.completion_tokens == 32
+        # SIGKILL of the server: its engine and the engine's other rank end too.
+        family = psutil.Process(served.proc.pid).children(recursive=True)
+        assert len(family) >= 2, family
+        served.proc.kill()
+        assert not still_running(family, timeout=5.0)
     finally:
         served.kill()

@@ -143,7 +143,7 @@ def test_tool_choice_none_answers_in_plain_text(client):
 
 
 BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-            "properties": {"x": {"type": "string", "format": "frobnicate"}}}}}  # fmt: skip
+            "properties": {"x": {"type": "frobnicate"}}}}}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 
 import quill
 from quill.server.errors import APIError, bad_request
@@ -31,6 +32,10 @@ FIGURE_SUFFIXES = (".png", ".svg")
 # Where `quill bench experiments` writes its figures by default (relative to the directory
 # the server runs in); `quill bench serve --plot DIR` writes where it is told.
 DEFAULT_FIGURE_DIRS = (Path("docs/figures/experiments"),)
+
+
+class _Login(BaseModel):
+    api_key: str
 
 
 def cookie_token(api_key: str) -> str:
@@ -115,12 +120,10 @@ def install_console(app: FastAPI, ctx) -> None:
 
     @app.post(LOGIN_PATH, include_in_schema=False)
     async def login(request: Request) -> Response:
-        try:
-            given = (await request.json()).get("api_key")
-        except (ValueError, AttributeError):
-            given = None
-        if not isinstance(given, str):
-            raise bad_request('send {"api_key": "..."}', "api_key")
+        try:  # pydantic's parser bounds nesting; json.loads would recurse past its limit
+            given = _Login.model_validate_json(await request.body()).api_key
+        except ValidationError:
+            raise bad_request('send {"api_key": "..."}', "api_key") from None
         key = ctx.api_key
         if key is None:
             return JSONResponse({"signed_in": True})
