@@ -1,4 +1,9 @@
-"""Shared fixtures: the default model converted once, one fp32 engine, the reference model."""
+"""Shared fixtures: the default model converted once, one fp32 engine, the reference model.
+
+`--device cuda` runs the tests marked `device` (`pytest -m device --device cuda`) on a GPU: the
+engine, the reference model and the tensors those tests make go to that device
+(benchmarks/gpu/check.sh). The default, cpu, is the suite as CI runs it.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +43,23 @@ PROMPTS = [
 ]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="where the tests marked `device` run: cpu (default) or cuda",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(request) -> torch.device:
+    """The device the tests marked `device` run on (--device)."""
+    name = request.config.getoption("--device")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.exit("--device cuda: CUDA is not available", returncode=2)
+    return torch.device(name)
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     from quill.model.default_model import default_model_dir
@@ -62,11 +84,12 @@ def tokenizer(model_dir):
 
 
 @pytest.fixture(scope="session")
-def llm(model_dir):
+def llm(model_dir, device):
     from quill import LLM
 
     return LLM(
         str(model_dir),
+        device=device.type,
         dtype="float32",
         kv_cache_dtype="float32",  # the exact path; 16-bit caches: tests/test_kv_cache_dtype.py
         quantization="none",
@@ -76,11 +99,11 @@ def llm(model_dir):
 
 
 @pytest.fixture(scope="session")
-def hf_model(model_dir):
+def hf_model(model_dir, device):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def write_tiny_config(directory, model_dir, hidden_size: int = 64) -> None:

@@ -7,14 +7,15 @@ expected output is computed here from the logical keys and values (the cache is 
 by this file's own layout code, independent of quill's), so it checks the cache layout and the
 write of the step's keys as well as the attention. The native library in this process is the
 best one the CPU runs; `test_avx2_library` reruns the native tests under the AVX2 library
-wherever the CPU also runs AVX-512.
+wherever the CPU also runs AVX-512. The tests marked `device` run the PyTorch path on --device
+(a GPU's attention path); the native kernel is the CPU's alone.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -151,6 +152,14 @@ def random_step(
     )
 
 
+def on(step: Step, device: torch.device, path: str) -> Step:
+    """The step's inputs and cache on `device` (the expected values stay on the CPU)."""
+    if path == "native" and device.type != "cpu":
+        pytest.skip("the native kernel is the CPU's")
+    moved = {f: getattr(step, f).to(device) for f in ("q", "k", "v", "k_cache", "v_cache", "slots")}
+    return replace(step, **moved)
+
+
 def run(step: Step, path: str) -> torch.Tensor:
     block_size = step.expected_keys.shape[2]
     scratch = step.expected_keys.shape[0] - 1
@@ -163,8 +172,8 @@ def run(step: Step, path: str) -> torch.Tensor:
 
 
 def check(step: Step, out: torch.Tensor, atol: float, rtol: float) -> None:
-    torch.testing.assert_close(out.double(), step.expected, atol=atol, rtol=rtol)
-    keys, values = from_cache(step.k_cache, step.v_cache)
+    torch.testing.assert_close(out.double().cpu(), step.expected, atol=atol, rtol=rtol)
+    keys, values = from_cache(step.k_cache.cpu(), step.v_cache.cpu())
     num_tokens = sum(len(s.token_ids) for s in step.seqs)
     block_size = step.expected_keys.shape[2]
     used = sorted({slot // block_size for slot in step.slots[:num_tokens].tolist()})
@@ -198,12 +207,13 @@ WINDOW_CASES = {
 }
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("padding", [0, 3])
-def test_matches_reference(path, case, padding):
+def test_matches_reference(path, case, padding, device):
     q_lens, starts = CASES[case]
-    step = random_step(random.Random(case), q_lens, starts, padding=padding)
+    step = on(random_step(random.Random(case), q_lens, starts, padding=padding), device, path)
     check(step, run(step, path), *TOLERANCE[torch.float32])
 
 
@@ -217,10 +227,12 @@ def test_matches_reference(path, case, padding):
         (torch.bfloat16, torch.float16),
     ],
 )
-def test_cache_dtypes(path, q_dtype, kv_dtype):
+@pytest.mark.device
+def test_cache_dtypes(path, q_dtype, kv_dtype, device):
     step = random_step(
         random.Random(3), [1, 1, 13, 1], [40, 3, 20, 300], q_dtype=q_dtype, kv_dtype=kv_dtype
     )
+    step = on(step, device, path)
     check(step, run(step, path), *TOLERANCE[q_dtype])
 
 
@@ -260,15 +272,18 @@ def test_native_random_layouts(case):
     check(step, run(step, "native"), *TOLERANCE[case["q_dtype"]])
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", sorted(WINDOW_CASES))
-def test_a_sliding_window_matches_the_reference(path, case):
+def test_a_sliding_window_matches_the_reference(path, case, device):
     q_lens, starts, window = WINDOW_CASES[case]
     step = random_step(random.Random(case), q_lens, starts, padding=2, window=window)
+    step = on(step, device, path)
     check(step, run(step, path), *TOLERANCE[torch.float32])
 
 
-def test_reference_random_layouts():
+@pytest.mark.device
+def test_reference_random_layouts(device):
     rng = random.Random(7)
     for _ in range(12):
         n = rng.randint(1, 5)
@@ -276,6 +291,7 @@ def test_reference_random_layouts():
         starts = [rng.randint(0, 200) for _ in range(n)]
         kv_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
         step = random_step(rng, q_lens, starts, kv_dtype=kv_dtype, padding=rng.choice([0, 2]))
+        step = on(step, device, "reference")
         check(step, run(step, "reference"), *TOLERANCE[torch.float32])
 
 

@@ -32,3 +32,24 @@ def test_compiled_matches_eager(tmp_path, model_dir, monkeypatch):
     # Steps of 3, 16 and 1..3 tokens ran, padded to buckets; only bucket sizes were compiled.
     seen = compiled_llm.engine.runner.forward.seen
     assert seen and seen <= set(bucket_sizes(16))
+
+
+def test_decode_steps_compiled_alone_match_eager(tmp_path, model_dir, monkeypatch):
+    """A GPU's way (decode steps alone compiled, as CUDA graphs there; here the same compiled
+    graphs without them): prompt chunks eager, decode steps compiled, the same tokens."""
+    from quill.model.compile import compile_runner
+
+    monkeypatch.setenv("QUILL_CACHE", str(tmp_path / "cache"))
+    write_tiny_config(tmp_path, model_dir, hidden_size=64)
+    options = dict(load_format="dummy", dtype="float32", quantization="none",
+                   kv_cache_memory=4 << 20, tokenizer=str(model_dir))  # fmt: skip
+    prompt = [list(range(40, 60))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    eager = LLM(str(tmp_path), **options).generate(prompt, params, use_tqdm=False)
+    llm = LLM(str(tmp_path), **options)
+    runner = llm.engine.runner
+    compile_runner(runner, llm.engine.config.max_num_batched_tokens or 512, decode_only=True)
+    compiled = llm.generate(prompt, params, use_tqdm=False)
+    assert compiled[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
+    assert runner.decode_forward.seen == {1}  # the prompt ran eager; one decode bucket compiled
+    assert runner.forward == runner.model.forward

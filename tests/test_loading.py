@@ -45,10 +45,12 @@ def test_gguf_weights_match_transformers_gguf_loader():
         "head_dim_48",
     ],  # fmt: skip
 )
-def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
-    ref = _tiny_checkpoint(tmp_path, kind)
+@pytest.mark.device
+def test_tiny_random_checkpoints_match_transformers(tmp_path, kind, device):
+    ref = _tiny_checkpoint(tmp_path, kind).to(device)
     llm = LLM(
         str(tmp_path),
+        device=device.type,
         dtype="float32",
         kv_cache_dtype="float32",
         quantization="none",
@@ -58,7 +60,7 @@ def test_tiny_random_checkpoints_match_transformers(tmp_path, kind):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, params)
     for ids, out in zip(prompts, outs, strict=True):
-        t = torch.tensor([ids])
+        t = torch.tensor([ids], device=device)
         with torch.inference_mode():
             expected = ref.generate(
                 t,

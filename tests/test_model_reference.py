@@ -1,7 +1,8 @@
-"""Greedy output against Hugging Face transformers on the same weights (fp32)."""
+"""Greedy output against Hugging Face transformers on the same weights (fp32), on --device."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from quill import SamplingParams
@@ -10,7 +11,7 @@ from tests.conftest import PROMPTS
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=hf_model.device)
         out = hf_model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
@@ -22,6 +23,7 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
     return out[0, len(prompt_ids) :].tolist()
 
 
+@pytest.mark.device
 def test_greedy_matches_transformers_batched(llm, hf_model):
     prompt_ids = [[1]] + [llm.tokenizer.encode(p) for p in PROMPTS]
     lengths = [len(p) for p in prompt_ids]
@@ -33,13 +35,14 @@ def test_greedy_matches_transformers_batched(llm, hf_model):
         assert out.outputs[0].token_ids == expected, f"prompt of {len(ids)} tokens"
 
 
+@pytest.mark.device
 def test_logits_close_to_transformers(llm, hf_model):
     """The first sampled position's log-probabilities agree with the reference's."""
     ids = llm.tokenizer.encode(PROMPTS[4])
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
     out = llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
     with torch.inference_mode():
-        ref = hf_model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+        ref = hf_model(torch.tensor([ids], device=hf_model.device)).logits[0, -1].log_softmax(-1)
     ours = out.logprobs[0]
     assert len(ours) == 5
     for token_id, logprob in ours.items():

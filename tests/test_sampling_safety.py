@@ -142,12 +142,14 @@ def _barred(seq: SeqPlan) -> set[int]:
     return set(p.stop_token_ids) | (set() if p.ignore_eos else set(END_IDS))
 
 
+@pytest.mark.device
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_batch())
-def test_any_legal_params_sample_a_token_with_probability(batch):
+@given(batch=_batch())
+def test_any_legal_params_sample_a_token_with_probability(batch, device):
     logits, seqs = batch
+    logits = logits.to(device)
     vocab = logits.shape[-1]
-    sampler = Sampler(torch.device("cpu"), seed=0, end_token_ids=END_IDS)
+    sampler = Sampler(device, seed=0, end_token_ids=END_IDS)
     probs = sampler.probs(logits, seqs)
     result = sampler(logits, seqs)
     prepared = prepare_logits(logits, seqs, END_IDS)
@@ -177,34 +179,37 @@ def test_any_legal_params_sample_a_token_with_probability(batch):
             assert result.logprobs[row] is not None
 
 
-def test_tiny_temperature_is_greedy_and_the_threshold_is_one_definition():
+@pytest.mark.device
+def test_tiny_temperature_is_greedy_and_the_threshold_is_one_definition(device):
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(temperature=1e-40).greedy
     assert SamplingParams(temperature=GREEDY_TEMPERATURE / 2).greedy
     assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
-    logits = torch.tensor([[1.0, 1.0 + 1e-3, 0.5, -2.0]] * 3)
+    logits = torch.tensor([[1.0, 1.0 + 1e-3, 0.5, -2.0]] * 3, device=device)
     temperatures = [0, 1e-40, 1e-300]
     seqs = [
         _seq(f"r{i}", SamplingParams(temperature=t), [0], []) for i, t in enumerate(temperatures)
     ]
-    assert Sampler(torch.device("cpu"))(logits, seqs).token_ids == [1, 1, 1]
+    assert Sampler(device)(logits, seqs).token_ids == [1, 1, 1]
 
 
-def test_huge_top_k_is_no_limit_and_tiny_top_p_keeps_the_top_token():
-    logits = torch.tensor([[0.0, 2.0, 1.0, 0.5]])
+@pytest.mark.device
+def test_huge_top_k_is_no_limit_and_tiny_top_p_keeps_the_top_token(device):
+    logits = torch.tensor([[0.0, 2.0, 1.0, 0.5]], device=device)
     for top_k in (2**63, 2**64, 2**70):
         seq = _seq("r", SamplingParams(top_k=top_k), [0], [])
-        assert (Sampler(torch.device("cpu")).probs(logits, [seq]) > 0).all()
+        assert (Sampler(device).probs(logits, [seq]) > 0).all()
     seq = _seq("r", SamplingParams(temperature=1.0, top_p=1e-300, seed=1), [0], [])
-    sampler = Sampler(torch.device("cpu"))
+    sampler = Sampler(device)
     assert sampler.probs(logits, [seq]).tolist() == [[0.0, 1.0, 0.0, 0.0]]
     assert {sampler(logits, [seq]).token_ids[0] for _ in range(20)} == {1}
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("rep", [2.3e-308, 1e-300, 1e-38, 1e38, 1e300, 1.7e308])
-def test_extreme_repetition_penalty_keeps_order_and_stays_finite(rep):
+def test_extreme_repetition_penalty_keeps_order_and_stays_finite(rep, device):
     # token 0 and 2 were seen; 0 is positive, 2 negative; 1 and 3 were not seen
-    logits = torch.tensor([[2.0, 1.0, -1.0, -3.0]])
+    logits = torch.tensor([[2.0, 1.0, -1.0, -3.0]], device=device)
     seq = _seq("r", SamplingParams(repetition_penalty=rep, temperature=0), [0, 2], [])
     out = apply_penalties(logits, [seq])
     assert torch.isfinite(out).all()
@@ -213,14 +218,15 @@ def test_extreme_repetition_penalty_keeps_order_and_stays_finite(rep):
         assert out[0, 0] > 2.0 and -1.0 < out[0, 2] <= 0
     else:  # punishes it: towards 0 from above, and down without bound from below
         assert 0 <= out[0, 0] < 1.0 and out[0, 2] < -3.0
-    assert Sampler(torch.device("cpu"))(logits, [seq]).token_ids == [0 if rep < 1 else 1]
+    assert Sampler(device)(logits, [seq]).token_ids == [0 if rep < 1 else 1]
 
 
-def test_min_tokens_bars_end_and_stop_ids_until_reached():
+@pytest.mark.device
+def test_min_tokens_bars_end_and_stop_ids_until_reached(device):
     vocab = 8
     # the end id and the stop id are the two most likely tokens
-    logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0, 8.0, 1.0, 0.0]])
-    sampler = Sampler(torch.device("cpu"), end_token_ids=[3])
+    logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0, 8.0, 1.0, 0.0]], device=device)
+    sampler = Sampler(device, end_token_ids=[3])
     params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5])
     picks = [sampler(logits, [_seq("r", params, [1, 2], [6] * n)]).token_ids[0] for n in range(5)]
     assert picks == [6, 6, 6, 3, 3]  # outputs 0, 1, 2 so far: both barred; then allowed
@@ -239,14 +245,15 @@ def test_min_tokens_bars_end_and_stop_ids_until_reached():
     assert sampler(logits, [_seq("u", outside, [1], [])]).token_ids == [5]
 
 
-def test_min_tokens_counts_outputs_of_a_recomputed_request():
+@pytest.mark.device
+def test_min_tokens_counts_outputs_of_a_recomputed_request(device):
     # A preempted request recomputes prompt and output in one chunk; it has 2 outputs so far.
     params = SamplingParams(temperature=0, min_tokens=3)
     seq = SeqPlan("r", [1, 2, 3, 6, 6], 0, 3, [[0]], True, params)
-    logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 1.0, 0.0]])
-    assert Sampler(torch.device("cpu"), end_token_ids=[3])(logits, [seq]).token_ids == [6]
+    logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 1.0, 0.0]], device=device)
+    assert Sampler(device, end_token_ids=[3])(logits, [seq]).token_ids == [6]
     seq = SeqPlan("r", [1, 2, 3, 6, 6, 6], 0, 3, [[0]], True, params)
-    assert Sampler(torch.device("cpu"), end_token_ids=[3])(logits, [seq]).token_ids == [3]
+    assert Sampler(device, end_token_ids=[3])(logits, [seq]).token_ids == [3]
 
 
 @pytest.mark.parametrize(

@@ -406,4 +406,9 @@ def _reply_matchers(built):
     from quill.structured.matchers import ReplyMatchers
 
     ends = sorted(built.tokenizer.eos_token_ids)
-    return ReplyMatchers(Grammars(path, built.model_config.vocab_size, ends))
+    try:
+        grammars = Grammars(path, built.model_config.vocab_size, ends)
+    except ValueError as e:  # a tokenizer the grammar library cannot read
+        log.warning("structured output: off (the grammar library cannot read %s: %s)", path, e)
+        return None
+    return ReplyMatchers(grammars)

@@ -9,6 +9,13 @@ each per bucket (up to ~5 graphs, ~50 s each on 2 cores). Inductor's caches go u
 `$QUILL_CACHE/inductor`, so a restart reuses earlier work. With freezing, weights become
 constants that oneDNN can pre-pack. Off by default: on an AVX2 CPU in fp32 it measured no gain
 (71 ms against 68 ms eager per batch-1 step), the matrix products being MKL's either way.
+
+On a GPU only decode steps (every row one query) are compiled, with `mode="reduce-overhead"`:
+each bucket's step is captured as CUDA graphs and replayed in one launch. A few-token step there
+is bound by launching kernels, not by the card: eager, a Llama-3.1-8B batch-1 step launched
+~1,830 kernels in 42 ms while its weights take 3.5 ms to read and the card was busy 9% of the
+step (docs/benchmarks.md, "CUDA on an H200"). The KV cache is marked static, so the graphs
+write it in place; prompt chunks, bound by arithmetic, stay eager.
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ def bucket_sizes(token_budget: int) -> list[int]:
 class BucketedForward:
     """Calls a compiled forward at the smallest bucket that holds the step's tokens."""
 
-    def __init__(self, forward, buckets: list[int]) -> None:
-        self.compiled = torch.compile(forward, dynamic=False)
+    def __init__(self, forward, buckets: list[int], mode: str | None = None) -> None:
+        self.compiled = torch.compile(forward, dynamic=False, mode=mode)
         self.buckets = buckets
         self.seen: set[int] = set()
 
@@ -68,13 +75,24 @@ class BucketedForward:
         return self.compiled(input_ids, positions, kv_caches, metas)
 
 
-def compile_runner(runner, token_budget: int) -> None:
-    """Switch a ModelRunner to compiled, bucketed forward passes."""
+def compile_runner(runner, token_budget: int, decode_only: bool | None = None) -> None:
+    """Switch a ModelRunner to compiled, bucketed forward passes: every step's on a CPU; on a
+    GPU (or with `decode_only`) decode steps' alone, as CUDA graphs."""
     import torch._inductor.config as inductor_config
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    inductor_config.freezing = True
     inductor_config.fx_graph_cache = True
+    if decode_only is None:
+        decode_only = runner.device.type == "cuda"
+    if decode_only:
+        for keys, values in runner.kv_caches:
+            torch._dynamo.mark_static_address(keys)
+            torch._dynamo.mark_static_address(values)
+        runner.decode_forward = BucketedForward(
+            runner.model.forward, bucket_sizes(token_budget), mode="reduce-overhead"
+        )
+        return
+    inductor_config.freezing = True
     bucketed = BucketedForward(runner.model.forward, bucket_sizes(token_budget))
     runner.forward = bucketed
     runner.padded_size = bucketed.padded_size

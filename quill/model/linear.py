@@ -44,7 +44,7 @@ def native_possible(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in _NATIVE_DTYPES
         and weight.stride(-1) == 1
-        and library.load() is not None
+        and library.available()
     )
 
 

@@ -145,15 +145,23 @@ def _build(config: ModelConfig, max_positions: int, dtype, device) -> LlamaForCa
 
 
 def _dummy_init(model: LlamaForCausalLM) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    """Seeded random weights. On a GPU they are drawn there, in the weights' dtype (an 8B
+    model's 8 billion draws on one CPU core took minutes); so GPU and CPU weights differ."""
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
-            else:
+            elif p.device.type == "cpu":
+                gen = generators.setdefault(p.device, torch.Generator().manual_seed(0))
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            else:
+                gen = generators.get(p.device)
+                if gen is None:
+                    gen = generators[p.device] = torch.Generator(p.device).manual_seed(0)
+                p.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(

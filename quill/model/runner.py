@@ -73,6 +73,9 @@ class ModelRunner:
         self.layouts: list[AttentionLayout] = []  # one per KV group, set with the cache
         self.forward = model.forward  # replaced by a compiled wrapper when compiling
         self.padded_size = lambda num_tokens: num_tokens  # compiled steps pad to a bucket
+        # Decode-only steps' own compiled forward (a GPU's CUDA graphs: quill/model/compile.py),
+        # with its own buckets; None: they run as any step.
+        self.decode_forward = None
         # Tensor-parallel ranks but the first run the layers only: sampling is rank 0's.
         self.computes_logits = True
         # Fetches prompt KV a prefill instance computed (quill/disagg/fetch.py) beside the
@@ -195,7 +198,10 @@ class ModelRunner:
                     sample_rows.append(end - 1)
                 sampling.append(s)
         # Padding tokens (compiled runs only) write their keys to the scratch block, unread.
-        num_padding = self.padded_size(len(input_ids)) - len(input_ids)
+        decode_only = not chunks and self.decode_forward is not None
+        forward = self.decode_forward if decode_only else self.forward
+        padded_size = self.decode_forward.padded_size if decode_only else self.padded_size
+        num_padding = padded_size(len(input_ids)) - len(input_ids)
         input_ids.extend([0] * num_padding)
         pos, slots = self._positions_and_slots(seqs, single_positions, chunks, num_padding)
         dev = self.device
@@ -203,7 +209,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = pos.to(dev)
         layer_metas = [metas[g] for g in self.kv_groups.layer_groups]
-        hidden = self.forward(ids, pos, self.kv_caches, layer_metas)
+        hidden = forward(ids, pos, self.kv_caches, layer_metas)
         if not self.computes_logits:
             return ForwardOutput(None, [])
         scored = self._score_prompts(hidden, scoring) if scoring else {}

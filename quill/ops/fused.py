@@ -28,7 +28,7 @@ def use_native(x: torch.Tensor, multiple: int = 16) -> bool:
         x.device.type == "cpu"
         and x.dtype in _DTYPES
         and x.shape[-1] % multiple == 0
-        and library.load() is not None
+        and library.available()
     )
 
 
@@ -87,7 +87,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the sampler's greedy choice), as `x.argmax(-1)`: natively for fp32
     rows on the CPU (csrc/argmax.cpp; PyTorch's took 0.1 ms for one 49,152-logit row here)."""
-    native = x.device.type == "cpu" and x.dtype == torch.float32 and library.load() is not None
+    native = x.device.type == "cpu" and x.dtype == torch.float32 and library.available()
     if native and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1:
         return torch.ops.quill.argmax_rows(x)
     return x.argmax(dim=-1)
@@ -110,7 +110,7 @@ def score(logits: torch.Tensor, targets: torch.Tensor) -> RowScores:
     native = (
         logits.device.type == "cpu"
         and logits.dtype in (torch.float32, torch.bfloat16)
-        and library.load() is not None
+        and library.available()
     )
     if native and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1:
         return RowScores(*torch.ops.quill.score_rows(logits, targets.contiguous()))

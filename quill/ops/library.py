@@ -120,6 +120,13 @@ def _choose_isa() -> str | None:
     return runnable[0] if runnable else None
 
 
+@torch._dynamo.assume_constant_result
+def available() -> bool:
+    """Whether the native library is loaded: what a model's forward asks, a constant to
+    torch.compile (tracing `load` itself would trace its logging: a graph break each time)."""
+    return load() is not None
+
+
 @cache
 def load() -> NativeLibrary | None:
     """Loads the best native library this CPU runs, once per process; None: PyTorch path."""

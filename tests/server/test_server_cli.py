@@ -207,3 +207,29 @@ def wait_for_child(pid: int, timeout: float = 60.0) -> psutil.Process:
             return children[0]
         time.sleep(0.01)
     raise AssertionError("no engine process was started")
+
+
+@pytest.mark.device
+def test_serve_on_the_device_matches_the_offline_engine(device, llm):
+    """`quill serve --device D` end to end: its greedy replies, through the openai client,
+    streamed and not, are the offline engine's on the same device and weights."""
+    import openai
+
+    from quill import SamplingParams
+
+    exact = ("--kv-cache-dtype", "float32", "--quantization", "none")
+    served = ServeProcess(*SMALL, *exact, "--device", device.type)
+    try:
+        url = served.ready()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        want = [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        extra = {"ignore_eos": True}
+        for prompt, text in zip(prompts, want, strict=True):
+            kw = dict(model="smol", prompt=prompt, max_tokens=16, temperature=0, extra_body=extra)
+            assert client.completions.create(**kw).choices[0].text == text
+            streamed = client.completions.create(**kw, stream=True)
+            assert "".join(c.choices[0].text for c in streamed) == text
+    finally:
+        served.kill()
