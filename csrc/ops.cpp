@@ -32,6 +32,14 @@ TORCH_LIBRARY(quill, m) {
       "q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias=None, "
       "ScalarType? out_dtype=None) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+  m.def(
+      "kquant_linear(Tensor x, Tensor weight, int type, Tensor? row_map=None, Tensor? bias=None, "
+      "ScalarType? out_dtype=None) -> Tensor");
+  m.def("kquant_rows(Tensor weight, int type, Tensor ids, ScalarType dtype) -> Tensor");
+  m.def("kquant_pack(Tensor weight, int type, Tensor? row_order=None) -> Tensor");
+  m.def(
+      "kquant_tile_linear(Tensor x, Tensor tiles, int type, int out_features, Tensor? bias=None, "
+      "ScalarType? out_dtype=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
@@ -60,6 +68,10 @@ TORCH_LIBRARY_IMPL(quill, CPU, m) {
   m.impl("q8_linear", &quill::q8_linear);
   m.impl("q4_linear", &quill::q4_linear);
   m.impl("dense_linear", &quill::dense_linear);
+  m.impl("kquant_linear", &quill::kquant_linear);
+  m.impl("kquant_rows", &quill::kquant_rows);
+  m.impl("kquant_pack", &quill::kquant_pack);
+  m.impl("kquant_tile_linear", &quill::kquant_tile_linear);
   m.impl("rms_norm", &quill::rms_norm);
   m.impl("add_rms_norm", &quill::add_rms_norm);
   m.impl("rope", &quill::rope);

@@ -54,6 +54,29 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                      std::optional<at::ScalarType> out_dtype);
 
+// x [rows, K] (fp32, bf16 or fp16) times a weight stored in a GGUF K-quant type (`type`: GGML's
+// number, 12 Q4_K, 13 Q5_K, 14 Q6_K) as the file lays it out: uint8 [N, bytes per row], rows of
+// super-blocks of 256 (kquant.cpp). Output column row_map[n] (n when not given) gets row n's
+// product. Returns [rows, N] in out_dtype (x's dtype when not given).
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                         const std::optional<at::Tensor>& row_map,
+                         const std::optional<at::Tensor>& bias,
+                         std::optional<at::ScalarType> out_dtype);
+
+// Such a weight repacked in tiles of 16 rows, in groups of 4 tiles (kquant_tiles.cpp), rows
+// taken in `row_order` (row n of the result is the weight's row row_order[n]; in order when not
+// given), the last group padded with zero rows: uint8 [ceil(N / 64), bytes per group].
+at::Tensor kquant_pack(const at::Tensor& weight, int64_t type, const std::optional<at::Tensor>& row_order);
+
+// x [rows, K] times tiles from kquant_pack holding `out_features` rows: [rows, out_features].
+at::Tensor kquant_tile_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t type,
+                              int64_t out_features, const std::optional<at::Tensor>& bias,
+                              std::optional<at::ScalarType> out_dtype);
+
+// The rows `ids` of such a weight, dequantized to `dtype` ([len(ids), K]).
+at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor& ids,
+                       at::ScalarType dtype);
+
 // x [rows, K] (fp32, bf16 or fp16) times a float weight [N, K] as stored (fp32, bf16 or fp16,
 // contiguous rows) in fp32 (dense.cpp): the small-step product of an unquantized model.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,

@@ -211,7 +211,10 @@ def test_spec_from_the_default_models_config_json_is_the_preset(model_dir):
 def test_spec_from_the_default_models_gguf_is_the_preset():
     from quill.model.default_model import default_gguf_path
 
-    assert _shape(ModelSpec.from_path(default_gguf_path())) == _shape(SMOL)
+    spec = ModelSpec.from_path(default_gguf_path())
+    # Its shape; its bytes are its head's Q8_0 (as stored) and 2 for the rest.
+    assert _shape(dataclasses.replace(spec, bytes_per_param=2)) == _shape(SMOL)
+    assert 1.8 < spec.bytes_per_param < 2
 
 
 def test_gguf_loader_still_exports_the_metadata_readers():
@@ -540,3 +543,20 @@ def test_windowed_layers_between_global_ones_by_hand():
     assert (shape.attention_pairs, shape.kv_tokens_read) == (36, 36)
     assert spec.shape_of(types.SimpleNamespace(seqs=[types.SimpleNamespace(
         start=100, num_tokens=1, samples=True, is_decode=True)])) == shape  # fmt: skip
+
+
+def test_a_gguf_is_priced_at_the_bytes_its_types_store():
+    """The mixed fixture (tests/fixtures/make_kquant_fixture.py), worked out by hand from the
+    types' layouts: a row of n inputs takes n / 256 super-blocks of 144 (Q4_K), 176 (Q5_K) or
+    210 (Q6_K) bytes, n / 32 blocks of 34 (Q8_0); Q5_0 and the F32 norms are priced at 2."""
+    from pathlib import Path
+
+    spec = ModelSpec.from_path(Path(__file__).parent / "fixtures" / "tiny-kquant.gguf")
+    table = 49152 * 144  # Q4_K, tied: read whole as the head
+    layer0 = 256 * 144 + 128 * 176 + 128 * 210 + 256 * 210 + 512 * 176 + 512 * 144 + 256 * 420
+    layer1 = 256 * 272 + 2 * 128 * 272 + 256 * 144 + 2 * 512 * 144 + 256 * 512 * 2
+    norms = 5 * 256 * 2
+    attention, mlp = 2 * 256 * 256 + 2 * 128 * 256, 3 * 256 * 512
+    params = 49152 * 256 + 2 * (attention + mlp) + 5 * 256
+    assert spec.num_params == params
+    assert spec.weight_bytes == pytest.approx(table + layer0 + layer1 + norms)

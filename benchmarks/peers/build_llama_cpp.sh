@@ -23,7 +23,7 @@ JOBS=${JOBS:-2}
 PYTHON=${PYTHON:-python3}
 TORCH_PIN="torch==2.13.0"
 QUILL_PY="$REPO/.venv/bin/python"
-TARGETS=(llama-server llama-bench llama-batched-bench)
+TARGETS=(llama-server llama-bench llama-batched-bench llama-quantize)
 TYPES=(f32 bf16 q8_0)
 
 log() { printf '[build_llama_cpp %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }

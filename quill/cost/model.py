@@ -157,7 +157,8 @@ class ModelSpec:
         """An HF model directory, its config.json, or a .gguf file.
 
         Without `bytes_per_param`, an HF config's torch_dtype decides (default 2). A GGUF is
-        priced at 2 bytes per parameter, as quill dequantizes it to bf16 to serve it.
+        priced at what a pass reads of it as quill serves it: its K-quant tensors as the file
+        stores them (their own bytes, mixed types included), the others at 2 bytes (bf16).
         """
         path = Path(path)
         if path.is_dir():
@@ -167,8 +168,11 @@ class ModelSpec:
         if path.suffix == ".gguf":
             from quill.model.gguf_config import gguf_hf_config, open_gguf
 
-            config = gguf_hf_config(open_gguf(path))
-            return cls.from_hf_config(config, bytes_per_param or 2, name=path.stem)
+            reader = open_gguf(path)
+            config = gguf_hf_config(reader)
+            spec = cls.from_hf_config(config, 2, name=path.stem)
+            spec.bytes_per_param = bytes_per_param or gguf_bytes_per_param(reader, spec)
+            return spec
         try:
             config = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -437,3 +441,23 @@ _PRESET_ALIASES = {
     "meta-llama-3-8b": "Llama-3-8B",
     "meta-llama-3-70b": "Llama-3-70B",
 }
+
+
+def gguf_bytes_per_param(reader, spec: ModelSpec, float_bytes: float = 2) -> float:
+    """The average bytes a read weight takes in a GGUF file as quill serves it: the 2-D
+    tensors of a type quill reads in place (the K-quants), and Q8_0 (taken as stored by its
+    int8 path), at their stored bytes; the rest at `float_bytes`; the input embedding left out
+    unless it is also the head (as params_read_per_pass)."""
+    from quill.ops.gguf_types import NAMES
+
+    stored, total, read_bytes = {*NAMES.values(), "Q8_0"}, 0, 0.0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and not spec.tie_word_embeddings:
+            continue
+        numel = 1
+        for n in t.shape:
+            numel *= n
+        total += numel
+        kept = t.tensor_type.name in stored and len(t.shape) == 2
+        read_bytes += t.data.nbytes if kept else numel * float_bytes
+    return read_bytes / total if total else float_bytes

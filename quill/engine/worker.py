@@ -377,7 +377,8 @@ def _make_accountant(config: EngineConfig, built):
     from quill.cost.model import ModelSpec
     from quill.cost.step import CostModel
 
-    model = ModelSpec.from_hf_config(built.hf_config, bytes_per_param=built.dtype.itemsize)
+    bytes_per_param = read_bytes_per_param(built.runner.model, built.dtype.itemsize)
+    model = ModelSpec.from_hf_config(built.hf_config, bytes_per_param=bytes_per_param)
     model.kv_bytes_per_element = built.kv_cache_dtype.itemsize  # the cache's, not the weights'
     dtype = str(built.dtype).removeprefix("torch.")
     if config.hardware is not None:
@@ -392,6 +393,25 @@ def _make_accountant(config: EngineConfig, built):
         return CostAccountant(model, None, config.price_per_hour)
     log.info("cost: pricing steps on %s", hardware.name)
     return CostAccountant(model, CostModel(model, hardware), config.price_per_hour)
+
+
+def read_bytes_per_param(model, float_bytes: int) -> float:
+    """The average bytes of a weight a pass reads: the weights used as a GGUF file stores
+    them at their own bytes (quill/model/stored.py), the others at the model's dtype."""
+    from quill.model.stored import StoredLinear
+
+    stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
+    if not stored:
+        return float(float_bytes)
+    stored_bytes = sum(m.nbytes for m in stored)
+    stored_params = sum(m.in_features * m.out_features for m in stored)
+    tied = model.config.tie_word_embeddings  # a float table read whole, as the head
+    floats = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if tied or not name.startswith("embed_tokens.")
+    )
+    return (stored_bytes + floats * float_bytes) / (stored_params + floats)
 
 
 def _reply_matchers(built):

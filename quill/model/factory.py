@@ -24,6 +24,7 @@ from quill.model.loader import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from quill.model.memory_plan import COPIES_SHARE, available_memory
 from quill.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -57,12 +58,16 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         _set_cpu_threads(tp.local_size if tp is not None else 1)
     dtype = resolve_dtype(config.dtype, device)
     model_path = model_path_of(config)
-    loaded = load_model(model_path, config.load_format, dtype, device)
+    # `auto` uses a GGUF file's K-quant tensors where they lie (quill/model/stored.py);
+    # a method asked for by name is applied to the floats, as before.
+    keep_stored = config.quantization == "auto" and tp is None
+    plan = _plan(config, model_path, dtype, device, keep_stored, tp)
+    loaded = load_model(model_path, config.load_format, dtype, device, keep_stored=keep_stored)
     blocks = loaded.blocks
     if tp is not None:
         tp.shard(loaded.model)
         blocks = {}  # each rank quantizes its own slices from the floats
-    _quantize(loaded.model, config.quantization, device, blocks)
+    _quantize(loaded.model, config.quantization, device, blocks, plan)
     tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source
     tokenizer = None  # ranks past 0 neither sample nor hold back end tokens
     if tp is None or tp.is_driver:
@@ -83,7 +88,10 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         tokenizer.eos_token_ids if tokenizer is not None else (),
         kv_cache_dtype,
     )
-    num_blocks = _num_kv_blocks(config, runner, device, max_model_len, budget, tp)
+    default_kv = plan.kv_budget() if plan is not None and device.type == "cpu" else None
+    num_blocks = _num_kv_blocks(config, runner, device, max_model_len, budget, tp, default_kv)
+    if config.max_model_len is None and config.kv_cache_memory is None:
+        max_model_len = _clamp_context(config, runner, num_blocks, max_model_len, budget)
     runner.allocate_kv_cache(num_blocks)
     if config.compile:
         from quill.model.compile import compile_runner
@@ -147,13 +155,36 @@ def _cgroup_cpu_quota() -> int | None:
     return max(1, int(int(quota) / int(period)))
 
 
-def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
+def _quantize(model, method: str, device: torch.device, blocks: dict, plan=None) -> None:
     from quill.model.linear import choose_native_rows, choose_split
     from quill.model.quant import choose_quantization, quantize_model
+    from quill.model.stored import StoredLinear
 
+    stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
+    if stored:
+        types: dict[str, int] = {}
+        for m in stored:
+            for s in m.segments:
+                types[s.type_name] = types.get(s.type_name, 0) + s.nbytes
+        log.info(
+            "weights: %d products used as the GGUF file stores them, no float copy (%s)",
+            len(stored),
+            ", ".join(f"{t} {b / (1 << 20):.0f} MiB" for t, b in sorted(types.items())),
+        )
+    if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        return  # every product is stored: nothing to quantize or to choose
     max_rows = None
     if method == "auto":
         method, max_rows = choose_quantization(model, device)
+        if max_rows is not None and plan is not None and not plan.copies_fit():
+            log.info(
+                "weights: the float copy for large steps is not kept: float and int8 together "
+                "(%.2f GiB) pass %.0f%% of the %.2f GiB available; int8 for every step",
+                (plan.parts["floats"] + plan.parts["int8 copies"]) / (1 << 30),
+                100 * COPIES_SHARE,
+                plan.available / (1 << 30),
+            )
+            max_rows = None
     if method == "none":
         dtype = next(model.parameters()).dtype
         native_rows = choose_native_rows(model) if device.type == "cpu" else 0
@@ -184,15 +215,70 @@ def _quantize(model, method: str, device: torch.device, blocks: dict) -> None:
         )
 
 
+def _plan(config: EngineConfig, model_path: Path, dtype, device, keep_stored: bool, tp):
+    """The weights' memory, checked against the machine before loading (one process's model:
+    tensor-parallel ranks divide it, and are planned by their own memory)."""
+    if tp is not None:
+        return None
+    from quill.cost.model import ModelSpec
+    from quill.model.loader import _read_config
+    from quill.model.memory_plan import MIN_CONTEXT, plan_memory
+
+    hf_config, _ = _read_config(model_path, config.load_format)
+    model_config = ModelConfig.from_hf_dict(hf_config)
+    num_params = ModelSpec.from_hf_config(hf_config).num_params
+    plan = plan_memory(model_path, config.load_format, num_params, dtype.itemsize, device,
+                       keep_stored, config.quantization)  # fmt: skip
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.dtype != "auto")
+    per_token = model_config.kv_bytes_per_token * kv_dtype.itemsize
+    ctx = min(config.max_model_len or model_config.max_position_embeddings,
+              model_config.max_position_embeddings)  # fmt: skip
+    min_tokens = min(ctx, MIN_CONTEXT)
+    min_kv = config.kv_cache_memory or min_tokens * per_token
+    plan.check(model_path.name, min_kv, min_tokens)
+    log.info("memory: %s; %.2f GiB available", plan.describe(), plan.available / (1 << 30))
+    return plan
+
+
+def _clamp_context(config: EngineConfig, runner: ModelRunner, num_blocks: int, ctx: int,
+                   budget: int) -> int:  # fmt: skip
+    """The longest context one sequence can hold in this pool (ctx if it holds that)."""
+    if _blocks_per_seq(config, runner, ctx, budget) <= num_blocks:
+        return ctx
+    low, high = config.block_size, ctx  # holds `low`, not `high`
+    while high - low > 1:
+        mid = (low + high) // 2
+        if _blocks_per_seq(config, runner, mid, budget) <= num_blocks:
+            low = mid
+        else:
+            high = mid
+    log.warning(
+        "max_model_len: the KV pool (%d blocks) holds one sequence of %d tokens, not the "
+        "model's %d: max_model_len is %d (set kv_cache_memory, or max_model_len, to choose)",
+        num_blocks,
+        low,
+        ctx,
+        low,
+    )
+    return low
+
+
 def _num_kv_blocks(
-    config: EngineConfig, runner: ModelRunner, device, max_model_len: int, budget: int, tp=None
+    config: EngineConfig,
+    runner: ModelRunner,
+    device,
+    max_model_len: int,
+    budget: int,
+    tp=None,
+    default_kv: int | None = None,
 ) -> int:
-    """Blocks in the pool: rank 0's count for every rank (the scheduler knows one pool)."""
+    """Blocks in the pool: rank 0's count for every rank (the scheduler knows one pool).
+    `default_kv`: the pool's bytes when kv_cache_memory is not given (the memory plan's)."""
     per_block = runner.kv_bytes_per_block()
     if tp is not None and device.type == "cpu":
         per_block *= tp.local_size  # the ranks on this host share its memory
     per_seq = _blocks_per_seq(config, runner, max_model_len, budget)
-    num_blocks = _blocks_for(config, per_block, device, per_seq)
+    num_blocks = _blocks_for(config, per_block, device, per_seq, default_kv)
     return num_blocks if tp is None else tp.broadcast_int(num_blocks)
 
 
@@ -202,14 +288,18 @@ def _blocks_per_seq(config: EngineConfig, runner: ModelRunner, max_model_len: in
     return peak_blocks(windows, max_model_len, min(budget, max_model_len), config.block_size)
 
 
-def _blocks_for(config: EngineConfig, per_block: int, device, blocks_per_seq: int) -> int:
+def _blocks_for(
+    config: EngineConfig, per_block: int, device, blocks_per_seq: int, default: int | None = None
+) -> int:
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
+    elif default is not None:
+        budget = default
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * 0.85)
     else:
-        budget = min(int(_available_memory() * 0.25), 4 << 30)
+        budget = min(int(available_memory(device) * 0.25), 4 << 30)
     # No point holding more than every allowed sequence at full context.
     num_blocks = min(budget // per_block, blocks_per_seq * config.max_num_seqs)
     if num_blocks < 1:
@@ -225,8 +315,8 @@ def _log_pool(
 ) -> None:
     groups = runner.kv_groups
     log.info(
-        "KV cache: %d blocks of %d tokens x %d layers (%.2f GiB, %s; %d KV groups, windows %s); "
-        "%.1f sequences of full context (%d tokens) fit",
+        "KV cache: %d blocks of %d tokens x %d layers (%.2f GiB, %s; %d KV groups, windows %s): "
+        "%d tokens of KV; %.1f sequences of full context (%d tokens) fit",
         num_blocks,
         config.block_size,
         groups.layers_per_block,
@@ -234,16 +324,7 @@ def _log_pool(
         dtype,
         groups.num_groups,
         sorted(set(groups.group_windows)),
+        num_blocks * config.block_size // groups.num_groups,
         num_blocks / _blocks_per_seq(config, runner, max_model_len, budget),
         max_model_len,
     )
-
-
-def _available_memory() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30

@@ -94,6 +94,18 @@ class GGUFFile:
             return GGUFTensor(name, kind, shape, raw.view(_PLAIN[kind]).reshape(shape))
         return GGUFTensor(name, kind, shape, raw.reshape(*shape[:-1], shape[-1] // block * size))
 
+    def release(self, data: np.ndarray) -> None:
+        """Let go of the pages of a tensor's data (a view of the map) that this process holds:
+        it was copied elsewhere (quill/model/stored.py's tiles). The view stays valid: a page
+        read again comes back from the file."""
+        base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
+        begin = data.ctypes.data - base
+        page = mmap.PAGESIZE
+        first = -(-begin // page) * page  # whole pages only: the neighbours' stay
+        last = (begin + data.nbytes) // page * page
+        if last > first and hasattr(self._map, "madvise"):
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
     def _number(self, code: int):
         fmt = _NUMBERS[code]
         (value,) = struct.unpack_from(fmt, self._map, self._pos)

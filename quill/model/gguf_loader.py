@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from quill.model.gguf_config import (
     open_gguf,
 )
 from quill.model.gguf_file import GGUFFile
+from quill.model.stored import StoredTensor
+from quill.ops import kquant
 
 # The metadata readers live in the torch-free gguf_config; re-exported for existing callers.
 __all__ = [
@@ -71,12 +74,15 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def gguf_tensors(reader: GGUFFile, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (Hugging Face name, float32 tensor) for every weight in the file."""
+def gguf_tensors(
+    reader: GGUFFile, config: dict, skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (Hugging Face name, float32 tensor) for every weight in the file but those named
+    in `skip` (the ones used as stored: never dequantized)."""
     arch = gguf_architecture(reader)
     layer_tensors = _GEMMA3_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name == "rope_freqs.weight" or _hf_name(t.name, arch) in skip:
             continue
         name = _GLOBAL_TENSORS.get(t.name)
         w = _dequantize(t)
@@ -97,6 +103,44 @@ def gguf_tensors(reader: GGUFFile, config: dict) -> Iterator[tuple[str, torch.Te
             elif arch == "llama" and parts[2] == "attn_k":
                 w = _unpermute(w, config["num_key_value_heads"])
         yield name, torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
+    """The Hugging Face name of a 2-D tensor of the file (None for stacked experts and names
+    quill does not map)."""
+    name = _GLOBAL_TENSORS.get(gguf_name)
+    if name is not None:
+        return name
+    layer_tensors = _GEMMA3_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_tensors:
+        return None
+    return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
+
+
+def gguf_stored_tensors(reader: GGUFFile, config: dict) -> dict[str, StoredTensor]:
+    """Hugging Face name -> the tensor as the file stores it, for every 2-D weight in a type a
+    native kernel reads in place (quill/ops/kquant.py): views of the memory map, nothing read."""
+    arch = gguf_architecture(reader)
+    out = {}
+    for t in reader.tensors:
+        ggml_type = kquant.type_of(t.tensor_type.name)
+        name = _hf_name(t.name, arch)
+        if ggml_type is None or name is None or t.data.ndim != 2 or not name.endswith(".weight"):
+            continue
+        with warnings.catch_warnings():  # the map is read-only, and is only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(t.data)
+        row_map = None
+        kind = t.name.split(".")[-2]
+        if arch == "llama" and kind in ("attn_q", "attn_k"):
+            heads = config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
+            order = _unpermute(np.arange(t.data.shape[0]), heads)  # HF row i: file row order[i]
+            inverse = np.empty_like(order)
+            inverse[order] = np.arange(order.size)
+            row_map = torch.from_numpy(inverse.astype(np.int32))
+        out[name] = StoredTensor(data, ggml_type, row_map)
+    return out
 
 
 # How many bytes one block of 32 weights takes in each quantized type quill reads as stored.

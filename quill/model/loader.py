@@ -19,6 +19,8 @@ from quill.contract.errors import ModelLoadError
 from quill.model.config import ModelConfig
 from quill.model.llama import LlamaForCausalLM
 from quill.model.registry import family
+from quill.model.stored import attach_stored, pack_tiles
+from quill.ops.library import available as library_available
 from quill.ops.library import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -125,12 +127,17 @@ def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
                 yield name, st.get_tensor(name)
 
 
-def _build(config: ModelConfig, max_positions: int, dtype, device) -> LlamaForCausalLM:
+def _build(
+    config: ModelConfig, max_positions: int, dtype, device, stored: dict | None = None
+) -> tuple[LlamaForCausalLM, set[str]]:
     """The model with empty weights (loading fills them): built on the meta device for its
-    shapes, then given storage. Not by `Module.to_empty`: its `empty_like` runs torch's Python
-    references, whose first use imports sympy, a third of a second of every start."""
+    shapes, its modules whose weights are used as stored swapped in (`stored`: Hugging Face
+    name -> StoredTensor), then given storage. Not by `Module.to_empty`: its `empty_like` runs
+    torch's Python references, whose first use imports sympy, a third of a second of every
+    start. Returns the model and the names of the tensors taken as stored."""
     with torch.device("meta"):
         model = family(config).model(config, max_positions)
+    taken = attach_stored(model, stored, config, dtype) if stored else set()
     storage: dict[int, torch.nn.Parameter] = {}  # a tied weight gets one tensor
     for module in model.modules():
         for name, p in module._parameters.items():
@@ -141,7 +148,7 @@ def _build(config: ModelConfig, max_positions: int, dtype, device) -> LlamaForCa
             if p is not None:
                 module._parameters[name] = storage[id(p)]
     model.init_rope(max_positions)  # the only buffers: the rotary tables
-    return model
+    return model, taken
 
 
 def _dummy_init(model: LlamaForCausalLM) -> None:
@@ -170,21 +177,35 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int | None = None,
+    keep_stored: bool = False,
 ) -> LoadedModel:
-    """Load from a Hugging Face directory or a GGUF file (dummy weights need only config.json)."""
+    """Load from a Hugging Face directory or a GGUF file (dummy weights need only config.json).
+    `keep_stored`: a GGUF file's tensors of a type a native kernel reads are used where they lie
+    (quill/model/stored.py), never dequantized."""
     path = Path(path)
     hf_config, reader = _read_config(path, load_format)
     is_gguf = reader is not None
     config = ModelConfig.from_hf_dict(hf_config)
     positions = max_positions or config.max_position_embeddings
-    model = _build(config, positions, dtype, device)
+    stored = {}
+    if is_gguf and keep_stored and load_format != "dummy" and device.type == "cpu":
+        from quill.model import gguf_loader
+
+        stored = gguf_loader.gguf_stored_tensors(reader, hf_config)
+    model, taken = _build(config, positions, dtype, device, stored)
     blocks = {}
     if load_format == "dummy":
         _dummy_init(model)
     elif is_gguf:
         from quill.model import gguf_loader
 
-        load_weights(model, gguf_loader.gguf_tensors(reader, hf_config), config)
+        if taken and library_available():
+            # The tiles replace the file's pages they came from (quill/model/stored.py).
+            views = {id(s.data): t.data for t in reader.tensors for s in stored.values()
+                     if s.data.data_ptr() == t.data.ctypes.data}  # fmt: skip
+            pack_tiles(model, lambda s: reader.release(views[id(s.data)]))
+        weights = gguf_loader.gguf_tensors(reader, hf_config, frozenset(taken))
+        load_weights(model, weights, config)
         blocks = _block_params(gguf_loader.gguf_quantized_blocks(reader, hf_config), model, config)
     else:
         load_weights(model, _safetensors_weights(_safetensors_files(path)), config)

@@ -122,7 +122,7 @@ def quantize_model(
         for parent, name, linear in _linears(layer):
             blocks_here = stored(f"layers.{i}.{name}.weight", method)
             setattr(parent, name, QuantizedLinear(linear, method, max_rows, blocks_here))
-    if head:
+    if head and isinstance(model.lm_head, nn.Linear | None):  # not a stored head
         linear, name = model.lm_head, "lm_head.weight"
         if linear is None:
             table = model.embed_tokens.weight
@@ -148,6 +148,8 @@ def choose_quantization(model: nn.Module, device: torch.device) -> tuple[str, in
     if device.type != "cpu":
         return "none", None
     layer_linears = [lin for _, _, lin in _linears(model.layers[0])]
+    if not layer_linears:  # the layers' products are used as a GGUF file stores them
+        return "none", None
     quantized = [QuantizedLinear(lin, "int8") for lin in layer_linears]
     dtype = layer_linears[0].weight.dtype
     max_rows = None

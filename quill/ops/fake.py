@@ -92,3 +92,29 @@ def _score_rows(x, targets) -> tuple[torch.Tensor, ...]:
     rows = x.shape[0]
     logprob, rank = x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.long)
     return logprob, rank, torch.empty_like(rank), torch.empty_like(logprob)
+
+
+@torch.library.register_fake("quill::kquant_linear")
+def _kquant_linear(x, weight, type, row_map=None, bias=None, out_dtype=None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)
+
+
+@torch.library.register_fake("quill::kquant_rows")
+def _kquant_rows(weight, type, ids, dtype) -> torch.Tensor:
+    per_row = {12: 144, 13: 176, 14: 210}[type]
+    return weight.new_empty(ids.numel(), weight.shape[1] // per_row * 256, dtype=dtype)
+
+
+_TILE_SUPER_BYTES = {12: 2368, 13: 2880, 14: 3360}
+
+
+@torch.library.register_fake("quill::kquant_pack")
+def _kquant_pack(weight, type, row_order=None) -> torch.Tensor:
+    per_row = {12: 144, 13: 176, 14: 210}[type]
+    groups = -(-weight.shape[0] // 64)  # of 4 tiles of 16 rows
+    return weight.new_empty(groups, weight.shape[1] // per_row * 4 * _TILE_SUPER_BYTES[type])
+
+
+@torch.library.register_fake("quill::kquant_tile_linear")
+def _kquant_tile_linear(x, tiles, type, out_features, bias=None, out_dtype=None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features, dtype=out_dtype or x.dtype)

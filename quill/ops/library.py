@@ -38,8 +38,10 @@ SOURCES = (
     "layer.cpp",
     "argmax.cpp",
     "logprobs.cpp",
+    "kquant.cpp",
+    "kquant_tiles.cpp",
 )
-HEADERS = ("ops.h", "vec.h", "gemm.h", "cache_layout.h")
+HEADERS = ("ops.h", "vec.h", "gemm.h", "cache_layout.h", "kquant.h")
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (

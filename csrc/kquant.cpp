@@ -1,0 +1,459 @@
+// Products with GGUF's K-quant weights read as the file stores them: Q4_K, Q5_K and Q6_K rows
+// of super-blocks of 256 weights, straight from the memory-mapped file (no copy, no repack).
+//
+// The layouts (ggml's, checked bit for bit against the `gguf` package's dequantizers in
+// tests/test_kquant.py):
+// - Q4_K, 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and eight 6-bit mins,
+//   128 bytes of 4-bit codes. Sub-block j (32 weights) is w = d * sc_j * q - dmin * m_j; byte
+//   l of 32-byte chunk c holds sub-block 2c's weight l (low nibble) and 2c+1's (high nibble).
+// - Q5_K, 176 bytes: Q4_K's fields and 32 bytes of fifth bits before the codes: bit j of byte l
+//   is the fifth bit of sub-block j's weight l.
+// - Q6_K, 210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per
+//   16 weights), fp16 d last; w = d * sc * (q - 32), q in 0..63. In each half of 128 weights,
+//   byte l (of 64) holds weight l's low nibble and weight 64 + l's high nibble; byte l (of 32)
+//   of the high pairs holds weights l, 32 + l, 64 + l and 96 + l's top two bits, in that order.
+//
+// The activations are quantized once per call to int8 per row and super-block (scale =
+// max |x| / 127, rounded half to even), with their sums over each 16 values, as llama.cpp's
+// Q8_K: then a sub-block's product is an integer dot product (u8 codes x s8 activations, exact
+// in int16 pairs: at most 2 x 63 x 127), times its integer scale into int32, and one float
+// multiply per super-block. The mins and Q6_K's offset of 32 leave the inner loop through the
+// activation sums. Rows are up to kMaxRows tokens per pass over a weight row; a thread takes a
+// block of weight rows and runs every group of token rows over it while it sits in cache, so a
+// prompt chunk reads the weights once.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kquant.h"
+#include "ops.h"
+#include "vec.h"
+
+namespace quill {
+namespace {
+
+using namespace kq;
+
+#if defined(QUILL_AVX512)
+constexpr int kMaxRows = 8;     // token rows per pass over a weight row
+#else
+constexpr int kMaxRows = 4;
+#endif
+constexpr int kRowBlock = 16;   // weight rows a thread keeps in cache over every token group
+
+// The order a super-block's 32-value sub-blocks are kept in: the AVX-512 kernel reads Q4_K and
+// Q5_K's codes 64 bytes at a time, whose low nibbles are sub-blocks 4p and 4p + 2 and high
+// nibbles 4p + 1 and 4p + 3, so their activations are kept side by side in that order.
+constexpr int kInterleaved[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+// The mins' term of one super-block for one row, kept as 4 float lanes (summed at the end):
+// dmin * the row's scale * sum_j m_j * (the row's sum over sub-block j).
+inline __m128 min_term(__m128 acc, __m128i mins16, const int16_t* sums32, float scale) {
+  const __m128i dots = _mm_madd_epi16(mins16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums32)));
+  return _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_set1_ps(scale), acc);
+}
+
+inline float hsum4(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i nibbles_low(__m256i x) { return _mm256_and_si256(x, _mm256_set1_epi8(0x0F)); }
+inline __m256i nibbles_high(__m256i x) {
+  return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0F));
+}
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// acc += the pairs of p (int16) times s (int16), summed in pairs into int32.
+inline __m256i madd_acc(__m256i acc, __m256i p, __m256i s) {
+#if defined(QUILL_AVX512)
+  return _mm256_dpwssd_epi32(acc, p, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One weight row (`supers` super-blocks) against R activation rows from `m0`: out[r].
+template <int64_t Type, int R>
+void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m0, float out[R]) {
+  __m256 acc[R];
+  __m128 offsets[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    offsets[r] = _mm_setzero_ps();
+  }
+  const int64_t groups = act.k / 16;
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* b = w + s * block_bytes(Type);
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    float d, dmin = 0.0f;
+    if constexpr (Type == kQ4K || Type == kQ5K) {
+      d = half_at(b);
+      dmin = half_at(b + 2);
+      uint8_t sc[8], mn[8];
+      scales_and_mins(b + 4, sc, mn);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = Type == kQ5K ? b + 48 : b + 16;
+      const __m256i high = Type == kQ5K ? load32(qh) : _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i x = load32(qs + 32 * c);
+        __m256i lo = nibbles_low(x), hi = nibbles_high(x);
+        if constexpr (Type == kQ5K) {
+          const __m256i one = _mm256_set1_epi8(1);
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c + 1), one), 4));
+        }
+        const __m256i s_lo = _mm256_set1_epi16(sc[2 * c]), s_hi = _mm256_set1_epi16(sc[2 * c + 1]);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = act.row(m0 + r) + s * kSuper + 64 * c;
+          isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(lo, load32(a)), s_lo);
+          isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(hi, load32(a + 32)), s_hi);
+        }
+      }
+      // The mins: dmin * sum_j m_j * (the activation's sum over sub-block j's 32 values).
+      const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s32 = act.sums32.data() + (m0 + r) * (groups / 2) + s * 8;
+        offsets[r] = min_term(offsets[r], mins16, s32, dmin * act.scales[(m0 + r) * supers + s]);
+      }
+    } else {  // Q6_K
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      d = half_at(b + 208);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i high = load32(qh + 32 * h);
+        for (int c = 0; c < 2; ++c) {
+          const __m256i x = load32(ql + 64 * h + 32 * c);
+          const __m256i three = _mm256_set1_epi8(3);
+          // Weights 32c + l (low nibbles, bits 2c of the high byte) and 64 + 32c + l (high
+          // nibbles, bits 4 + 2c) of this half.
+          const __m256i lo = _mm256_or_si256(
+              nibbles_low(x), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), three), 4));
+          const __m256i hi = _mm256_or_si256(
+              nibbles_high(x), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 4 + 2 * c), three), 4));
+          const int g_lo = 8 * h + 2 * c, g_hi = 8 * h + 4 + 2 * c;  // their scales' groups of 16
+          const __m256i s_lo = _mm256_set_m128i(_mm_set1_epi16(sc[g_lo + 1]), _mm_set1_epi16(sc[g_lo]));
+          const __m256i s_hi = _mm256_set_m128i(_mm_set1_epi16(sc[g_hi + 1]), _mm_set1_epi16(sc[g_hi]));
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = act.row(m0 + r) + s * kSuper + 128 * h + 32 * c;
+            isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(lo, load32(a)), s_lo);
+            isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(hi, load32(a + 64)), s_hi);
+          }
+        }
+      }
+      // The offset of 32: -32 * sum_g sc_g * (the activation's sum over group g).
+      const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16));
+        isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float scale = d * act.scales[(m0 + r) * supers + s];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(scale), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum4(offsets[r]);
+}
+
+#if defined(QUILL_AVX512)
+
+inline __m512i load64(const void* p) { return _mm512_loadu_si512(p); }
+inline __m512i two_halves(int16_t lo, int16_t hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(lo)), _mm256_set1_epi16(hi), 1);
+}
+
+// The same with 64-byte vectors: Q4_K and Q5_K's activations interleaved (kInterleaved).
+template <int64_t Type, int R>
+void dot_row_512(const uint8_t* w, int64_t supers, const Activations& act, int64_t m0, float out[R]) {
+  __m512 acc[R];
+  __m128 offsets[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    offsets[r] = _mm_setzero_ps();
+  }
+  const int64_t groups = act.k / 16;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* b = w + s * block_bytes(Type);
+    __m512i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    float d, dmin = 0.0f;
+    if constexpr (Type == kQ4K || Type == kQ5K) {
+      d = half_at(b);
+      dmin = half_at(b + 2);
+      uint8_t sc[8], mn[8];
+      scales_and_mins(b + 4, sc, mn);
+      const uint8_t* qs = Type == kQ5K ? b + 48 : b + 16;
+      __m512i high = _mm512_setzero_si512();
+      if constexpr (Type == kQ5K) high = _mm512_broadcast_i64x4(load32(b + 16));
+      for (int p = 0; p < 2; ++p) {
+        const __m512i x = load64(qs + 64 * p);
+        __m512i lo = _mm512_and_si512(x, low4), hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+        if constexpr (Type == kQ5K) {
+          // Fifth bits of sub-blocks 4p, 4p + 2 (low) and 4p + 1, 4p + 3 (high).
+          const __m512i one = _mm512_set1_epi8(1);
+          const __m512i shift_lo = _mm512_inserti64x4(_mm512_set1_epi16(4 * p), _mm256_set1_epi16(4 * p + 2), 1);
+          const __m512i shift_hi = _mm512_add_epi16(shift_lo, _mm512_set1_epi16(1));
+          lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shift_lo), one), 4));
+          hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shift_hi), one), 4));
+        }
+        const __m512i s_lo = two_halves(sc[4 * p], sc[4 * p + 2]);
+        const __m512i s_hi = two_halves(sc[4 * p + 1], sc[4 * p + 3]);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = act.row(m0 + r) + s * kSuper + 128 * p;
+          isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(lo, load64(a)), s_lo);
+          isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(hi, load64(a + 64)), s_hi);
+        }
+      }
+      const __m128i mins16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s32 = act.sums32.data() + (m0 + r) * (groups / 2) + s * 8;
+        offsets[r] = min_term(offsets[r], mins16, s32, dmin * act.scales[(m0 + r) * supers + s]);
+      }
+    } else {  // Q6_K: natural order; 64 bytes of low nibbles a half
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      d = half_at(b + 208);
+      // Each scale 8 times (one per pair of 16 int16 lanes' 8 pairs): lanes of 4 groups.
+      const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+      const __m256i scales = _mm256_broadcastsi128_si256(sc16);
+      const __m256i group_lanes = _mm256_setr_epi8(
+          0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+      const __m512i three = _mm512_set1_epi8(3);
+      const __m512i shifts_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+      const __m512i shifts_hi = _mm512_add_epi16(shifts_lo, _mm512_set1_epi16(4));
+      for (int h = 0; h < 2; ++h) {
+        const __m512i x = load64(ql + 64 * h);
+        const __m512i high = _mm512_broadcast_i64x4(load32(qh + 32 * h));
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(x, low4),
+            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shifts_lo), three), 4));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(x, 4), low4),
+            _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shifts_hi), three), 4));
+        // Groups of 16: 8h .. 8h + 3 for the low nibbles' 64 weights, 8h + 4 .. 8h + 7 above;
+        // each group's scale on the 8 int16 lanes of its pairs.
+        const __m256i first = _mm256_add_epi8(group_lanes, _mm256_set1_epi8(char(8 * h)));
+        const __m512i scale_lo = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(scales, first));
+        const __m512i scale_hi = _mm512_cvtepi8_epi16(
+            _mm256_shuffle_epi8(scales, _mm256_add_epi8(first, _mm256_set1_epi8(4))));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = act.row(m0 + r) + s * kSuper + 128 * h;
+          isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(lo, load64(a)), scale_lo);
+          isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(hi, load64(a + 64)), scale_hi);
+        }
+      }
+      const __m256i scales16 = _mm256_cvtepi8_epi16(sc16);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16));
+        const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 5);
+        isum[r] = _mm512_sub_epi32(isum[r], _mm512_zextsi256_si512(off));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float scale = d * act.scales[(m0 + r) * supers + s];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(scale), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - hsum4(offsets[r]);
+}
+
+#endif
+
+using RowFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, float*);
+
+template <int64_t Type>
+RowFn row_fn(int rows) {
+#if defined(QUILL_AVX512)
+  switch (rows) {
+    case 1: return &dot_row_512<Type, 1>;
+    case 2: return &dot_row_512<Type, 2>;
+    case 3: return &dot_row_512<Type, 3>;
+    case 4: return &dot_row_512<Type, 4>;
+    case 5: return &dot_row_512<Type, 5>;
+    case 6: return &dot_row_512<Type, 6>;
+    case 7: return &dot_row_512<Type, 7>;
+    default: return &dot_row_512<Type, 8>;
+  }
+#else
+  switch (rows) {
+    case 1: return &dot_row<Type, 1>;
+    case 2: return &dot_row<Type, 2>;
+    case 3: return &dot_row<Type, 3>;
+    default: return &dot_row<Type, 4>;
+  }
+#endif
+}
+
+RowFn pick(int64_t type, int rows) {
+  switch (type) {
+    case kQ4K: return row_fn<kQ4K>(rows);
+    case kQ5K: return row_fn<kQ5K>(rows);
+    default: return row_fn<kQ6K>(rows);
+  }
+}
+
+template <typename T>
+void store(T* dst, float v) { *dst = from_float<T>(v); }
+
+}  // namespace
+
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                         const std::optional<at::Tensor>& row_map,
+                         const std::optional<at::Tensor>& bias,
+                         std::optional<at::ScalarType> out_dtype) {
+  const char* op = "quill::kquant_linear";
+  const int64_t bytes = block_bytes(type);
+  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, in_features] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1, op,
+              ": weight must be uint8 [out_features, bytes per row] with contiguous rows");
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0), supers = k / kSuper;
+  TORCH_CHECK(k % kSuper == 0 && weight.size(1) == supers * bytes, op, ": x has ", k,
+              " inputs; a row of ", weight.size(1), " bytes holds ", weight.size(1) / bytes * kSuper);
+  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": out_dtype ", dtype, " is not supported");
+  const int32_t* map = nullptr;
+  at::Tensor map_c;
+  if (row_map.has_value() && row_map->defined()) {
+    map_c = row_map->to(at::kInt).contiguous();
+    TORCH_CHECK(map_c.numel() == n, op, ": row_map has ", map_c.numel(), " entries, not ", n);
+    map = map_c.data_ptr<int32_t>();
+  }
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, not ", n);
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(dtype));
+  if (rows == 0 || n == 0) return out;
+  Activations act;
+#if defined(QUILL_AVX512)
+  const int* interleave = type != kQ6K ? kInterleaved : nullptr;
+#else
+  const int* interleave = nullptr;
+#endif
+  switch (x.scalar_type()) {
+    case at::kFloat: quantize(x.data_ptr<float>(), rows, k, x.stride(0), interleave, act); break;
+    case at::kBFloat16:
+      quantize(reinterpret_cast<const bf16*>(x.data_ptr()), rows, k, x.stride(0), interleave, act);
+      break;
+    case at::kHalf:
+      quantize(reinterpret_cast<const fp16*>(x.data_ptr()), rows, k, x.stride(0), interleave, act);
+      break;
+    default: TORCH_CHECK(false, op, ": x dtype ", x.scalar_type(), " is not supported");
+  }
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const int64_t row_bytes = weight.stride(0);
+  const int64_t blocks_of_rows = (n + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks_of_rows, 1, [&](int64_t begin, int64_t end) {
+    float values[kMaxRows];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kRowBlock, n1 = std::min(n, n0 + kRowBlock);
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+        const int r_count = int(std::min<int64_t>(kMaxRows, rows - m0));
+        const RowFn fn = pick(type, r_count);
+        for (int64_t j = n0; j < n1; ++j) {
+          fn(w + j * row_bytes, supers, act, m0, values);
+          const int64_t col = map ? map[j] : j;
+          const float b = bias_p ? bias_p[j] : 0.0f;
+          for (int r = 0; r < r_count; ++r) {
+            const int64_t at = (m0 + r) * n + col;
+            switch (dtype) {
+              case at::kFloat: store(out.data_ptr<float>() + at, values[r] + b); break;
+              case at::kBFloat16: store(reinterpret_cast<bf16*>(out.data_ptr()) + at, values[r] + b); break;
+              default: store(reinterpret_cast<fp16*>(out.data_ptr()) + at, values[r] + b);
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Rows of a K-quant weight, dequantized (the embedding lookup of a table stored so).
+at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor& ids,
+                       at::ScalarType dtype) {
+  const char* op = "quill::kquant_rows";
+  const int64_t bytes = block_bytes(type);
+  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1, op,
+              ": weight must be uint8 [rows, bytes per row] with contiguous rows");
+  const int64_t supers = weight.size(1) / bytes, k = supers * kSuper;
+  at::Tensor idx = ids.to(at::kLong).contiguous();
+  const int64_t count = idx.numel();
+  at::Tensor out = at::empty({count, k}, weight.options().dtype(at::kFloat));
+  const int64_t* id = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < weight.size(0), op, ": id ", id[i], " is outside [0, ", weight.size(0), ")");
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = weight.data_ptr<uint8_t>() + id[i] * weight.stride(0);
+      float* dst = out.data_ptr<float>() + i * k;
+      for (int64_t s = 0; s < supers; ++s) {
+        const uint8_t* b = row + s * bytes;
+        float* y = dst + s * kSuper;
+        if (type == kQ4K || type == kQ5K) {
+          const float d = half_at(b), dmin = half_at(b + 2);
+          uint8_t sc[8], mn[8];
+          scales_and_mins(b + 4, sc, mn);
+          const uint8_t* qh = b + 16;
+          const uint8_t* qs = type == kQ5K ? b + 48 : b + 16;
+          for (int j = 0; j < 8; ++j) {
+            const float scale = d * sc[j], min = dmin * mn[j];
+            for (int l = 0; l < 32; ++l) {
+              int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+              if (type == kQ5K) q |= ((qh[l] >> j) & 1) << 4;
+              y[32 * j + l] = scale * float(q) - min;
+            }
+          }
+        } else {
+          const uint8_t* ql = b;
+          const uint8_t* qh = b + 128;
+          const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+          const float d = half_at(b + 208);
+          for (int h = 0; h < 2; ++h)
+            for (int l = 0; l < 32; ++l)
+              for (int part = 0; part < 4; ++part) {
+                // part 0/1: low nibbles of bytes l and 32 + l; 2/3: their high nibbles.
+                const int byte = ql[64 * h + l + 32 * (part % 2)];
+                const int low = part < 2 ? byte & 0x0F : byte >> 4;
+                const int q = low | (((qh[32 * h + l] >> (2 * part)) & 3) << 4);
+                const int pos = 128 * h + 32 * part + l;
+                y[pos] = d * float(sc[pos / 16]) * float(q - 32);
+              }
+        }
+      }
+    }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+}  // namespace quill

@@ -1,0 +1,103 @@
+// What the K-quant kernels share (kquant.cpp reads rows in place, kquant_tiles.cpp reads rows
+// repacked in tiles of 16): the block sizes, the scales' unpacking and the activations,
+// quantized once per call to int8 per row and super-block of 256 (scale max |x| / 127, rounded
+// half to even, as llama.cpp's Q8_K), with their sums over every 16 and 32 values.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+namespace quill {
+namespace kq {
+
+constexpr int kSuper = 256;  // weights per super-block
+enum : int64_t { kQ4K = 12, kQ5K = 13, kQ6K = 14 };
+
+// Bytes of one super-block as the file stores it (0: not a K-quant read here).
+inline int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4K: return 144;
+    case kQ5K: return 176;
+    case kQ6K: return 210;
+    default: return 0;
+  }
+}
+
+inline float half_at(const uint8_t* p) {
+  fp16 h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// Q4_K and Q5_K's eight 6-bit scales and mins from their 12 bytes: bytes 0-3 hold scales 0-3
+// (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for the mins; bytes 8-11
+// the low 4 bits of scales 4-7 (low nibbles) and of mins 4-7 (high nibbles).
+inline void scales_and_mins(const uint8_t* q, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, q, 4);
+  std::memcpy(&w1, q + 4, 4);
+  std::memcpy(&w2, q + 8, 4);
+  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x30303030;
+  const uint32_t words[4] = {w0 & low6, (w2 & low4) | ((w0 >> 2) & top2), w1 & low6,
+                             ((w2 >> 4) & low4) | ((w1 >> 2) & top2)};
+  std::memcpy(sc, words, 8);
+  std::memcpy(mn, words + 2, 8);
+}
+
+// The activation rows as int8 per super-block: codes [rows, K], scales [rows, K / 256], and the
+// sums of every 16 and every 32 codes.
+struct Activations {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  std::vector<int16_t> sums16;  // [rows, K / 16]
+  std::vector<int16_t> sums32;  // [rows, K / 32]
+  int64_t k = 0;
+  const int8_t* row(int64_t m) const { return codes.data() + m * k; }
+};
+
+// `order`: where each 32-value sub-block of a super-block is kept (null: in order).
+template <typename T>
+void quantize(const T* x, int64_t rows, int64_t k, int64_t stride, const int* order,
+              Activations& out) {
+  const int64_t supers = k / kSuper;
+  out.k = k;
+  out.codes.resize(rows * k);
+  out.scales.resize(rows * supers);
+  out.sums16.resize(rows * k / 16);
+  out.sums32.resize(rows * k / 32);
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* row = x + m * stride;
+    for (int64_t s = 0; s < supers; ++s) {
+      const T* src = row + s * kSuper;
+      vfloat amax = vzero();
+      for (int i = 0; i < kSuper; i += kWidth) {
+        vfloat v = vload(src + i);
+        amax = vmax(amax, vmax(v, vsub(vzero(), v)));
+      }
+      const float scale = vhmax(amax) / 127.0f;
+      const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+      out.scales[m * supers + s] = scale;
+      int8_t* dst = out.codes.data() + m * k + s * kSuper;
+      int16_t* sums = out.sums16.data() + (m * k + s * kSuper) / 16;
+      for (int g = 0; g < kSuper / 16; ++g) {
+        int sum = 0;
+        const int at = order ? order[g / 2] * 32 + (g % 2) * 16 : g * 16;
+        for (int i = 0; i < 16; ++i) {
+          // nearbyint: round half to even, as torch.round in the reference.
+          const int q = int(std::nearbyint(to_float(src[g * 16 + i]) * inverse));
+          dst[at + i] = int8_t(q);
+          sum += q;
+        }
+        sums[g] = int16_t(sum);
+      }
+      int16_t* sums32 = out.sums32.data() + (m * k + s * kSuper) / 32;
+      for (int j = 0; j < kSuper / 32; ++j) sums32[j] = int16_t(sums[2 * j] + sums[2 * j + 1]);
+    }
+  }
+}
+
+}  // namespace kq
+}  // namespace quill

@@ -1,0 +1,183 @@
+"""Weights used where they lie: linear layers and the embedding read straight from a GGUF
+file's memory map in the type it stores them (the K-quants: Q4_K, Q5_K, Q6_K), with no float
+copy at any point.
+
+The loader finds, per model module, the file's tensors whose type has a native kernel
+(`StoredTensor`, quill/model/gguf_loader.py), swaps those modules for the ones here on the
+meta-device model before any storage is given to it, and so never allocates (nor reads) their
+floats. A merged projection (q/k/v, gate/up) is stored when every part is: each part keeps its
+own type (a Q4_K_M file mixes Q4_K and Q6_K inside one layer). llama.cpp's converter permutes
+Llama's q and k rows for its rotary layout; a stored q or k writes each row's output to its
+unpermuted column instead (the kernel's `row_map`), so the rows stay where they lie too.
+
+Q4_K and Q5_K products are faster in tiles of 16 rows (csrc/kquant_tiles.cpp: 1.0-1.2 TOP/s
+at 64-256 token rows against 0.4 read row by row, as fast at one; docs/benchmarks.md), so
+`pack_tiles` repacks them once at load, the values unchanged, and lets go of the file's pages
+they came from: the tiles replace the mapped pages rather than sit beside them. Q6_K (faster
+read in place at a few rows) and a table that is also looked up stay where they lie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quill.ops import kquant
+
+
+@dataclass
+class StoredTensor:
+    """One tensor of the file as stored: uint8 [rows, bytes per row] (a view of the map), its
+    GGML type, and where each row's output goes (None: in order)."""
+
+    data: torch.Tensor
+    ggml_type: int
+    row_map: torch.Tensor | None = None
+    tiles: torch.Tensor | None = None  # the rows repacked (csrc/kquant_tiles.cpp), in HF order
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def type_name(self) -> str:
+        return kquant.NAMES[self.ggml_type]
+
+
+class StoredLinear(nn.Module):
+    """A linear layer over stored parts (output rows in order); returns the parts' outputs
+    as a list when `parts` is given (a merged projection), else one tensor."""
+
+    def __init__(
+        self,
+        in_features: int,
+        segments: list[StoredTensor],
+        parts: list[int] | None = None,
+        bias: nn.Parameter | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.segments = segments
+        self.parts = parts
+        self.out_features = sum(s.rows for s in segments)
+        self.bias = bias
+        self._fallbacks: list[torch.Tensor | None] = [None] * len(segments)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        outputs, offset = [], 0
+        native = kquant.native_available(x)
+        for i, s in enumerate(self.segments):
+            bias = None if self.bias is None else self.bias[offset : offset + s.rows]
+            fallback = None
+            if not native:  # the PyTorch path dequantizes once, and keeps it (GPU, tests)
+                if self._fallbacks[i] is None:
+                    self._fallbacks[i] = kquant.dequantize(s.data, s.ggml_type).to(x.device)
+                fallback = self._fallbacks[i]
+            rows = s.row_map if s.row_map is None or native else s.row_map.to(x.device)
+            outputs.append(
+                kquant.kquant_linear(x, s.data, s.ggml_type, rows, bias, fallback, s.tiles)
+            )
+            offset += s.rows
+        if self.parts is None:
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        if [s.rows for s in self.segments] == self.parts:
+            return outputs
+        whole = outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        return list(whole.split(self.parts, -1))
+
+    def extra_repr(self) -> str:
+        types = ", ".join(f"{s.type_name} x{s.rows}" for s in self.segments)
+        return f"in_features={self.in_features}, rows=[{types}]"
+
+
+class StoredEmbedding(nn.Module):
+    """An embedding table as stored: a lookup dequantizes the rows it reads."""
+
+    def __init__(self, table: StoredTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.embedding_dim = kquant.in_features(table.data, table.ggml_type)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = kquant.kquant_rows(self.table.data, self.table.ggml_type, ids.cpu(), self.dtype)
+        return out.to(ids.device)
+
+
+def module_at(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """(parent, attribute) of the module at a dotted path."""
+    parent_path, _, name = path.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), name
+
+
+def attach_stored(model: nn.Module, stored: dict[str, StoredTensor], config, dtype) -> set[str]:
+    """Swap, on the meta-device `model`, every module whose weight rows are all in `stored`
+    (Hugging Face name -> StoredTensor) for its stored version. Returns the names taken."""
+    from quill.model.registry import family
+
+    target_of = family(config).weight_target
+    by_module: dict[str, list[tuple[int, str, StoredTensor]]] = {}
+    for name, tensor in stored.items():
+        target = target_of(name, config)
+        if target is None or not target.param.endswith(".weight"):
+            continue
+        module = target.param.removesuffix(".weight")
+        by_module.setdefault(module, []).append((target.offset, name, tensor))
+    taken: set[str] = set()
+    for path, pieces in by_module.items():
+        pieces.sort(key=lambda piece: piece[0])
+        parent, attr = module_at(model, path)
+        module = getattr(parent, attr)
+        if isinstance(module, nn.Embedding):
+            (offset, name, tensor), *_ = pieces
+            setattr(parent, attr, StoredEmbedding(tensor, dtype))
+            taken.add(name)
+            continue
+        rows = module.weight.shape[0]
+        offsets = [0] + [p[0] + p[2].rows for p in pieces[:-1]]
+        if [p[0] for p in pieces] != offsets or pieces[-1][0] + pieces[-1][2].rows != rows:
+            continue  # some rows in a type read otherwise: the whole module takes floats
+        parts = getattr(module, "parts", None)
+        segments = [p[2] for p in pieces]
+        setattr(parent, attr, StoredLinear(module.in_features, segments, parts, module.bias))
+        taken.update(p[1] for p in pieces)
+    embed = getattr(model, "embed_tokens", None)
+    if isinstance(embed, StoredEmbedding) and getattr(model, "lm_head", 0) is None:
+        # Tied: the stored table is the output head as well.
+        model.lm_head = StoredLinear(embed.embedding_dim, [embed.table])
+    return taken
+
+
+# The types repacked in tiles (see the module's docstring for the measurements).
+TILED_TYPES = frozenset({kquant.Q4_K, kquant.Q5_K})
+
+
+def pack_tiles(model: nn.Module, release=None) -> int:
+    """Repack the stored products' Q4_K and Q5_K parts in tiles (not a table the model also
+    looks up), calling `release(segment)` after each (the file's pages it came from can go).
+    Returns the bytes of tiles made."""
+    embed = getattr(model, "embed_tokens", None)
+    looked_up = embed.table.data if isinstance(embed, StoredEmbedding) else None
+    made = 0
+    for module in model.modules():
+        if not isinstance(module, StoredLinear):
+            continue
+        for s in module.segments:
+            if s.ggml_type not in TILED_TYPES or s.data is looked_up or s.tiles is not None:
+                continue
+            order = None if s.row_map is None else torch.argsort(s.row_map.long())
+            s.tiles = torch.ops.quill.kquant_pack(s.data, s.ggml_type, order)
+            made += s.tiles.numel()
+            if release is not None:
+                release(s)
+    return made

@@ -1,0 +1,18 @@
+"""The GGUF tensor types quill's native kernels read as a file stores them, and their block
+sizes: plain facts, without torch, so the cost model (torch-free) prices them alike.
+
+GGML numbers its types (`gguf.GGMLQuantizationType`); a K-quant row is a run of super-blocks of
+256 weights (layouts: quill/ops/kquant.py, csrc/kquant.cpp).
+"""
+
+from __future__ import annotations
+
+Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGML's type numbers
+NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
+SUPER = 256  # weights per super-block
+
+
+def type_of(name: str) -> int | None:
+    """GGML's number for a type name ("Q4_K"), None for a type read otherwise."""
+    return next((t for t, n in NAMES.items() if n == name), None)

@@ -1,0 +1,137 @@
+"""GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) as the file stores them: the native product and
+lookup (csrc/kquant.cpp), and the PyTorch code they are checked against and fall back to.
+
+A weight is a uint8 tensor [out_features, bytes per row]: each row a run of super-blocks of 256
+weights in ggml's layout (the kernel's header comment, and `dequantize` here, say how each
+type packs them). Nothing is repacked: the tensor can be a view of the memory-mapped file.
+
+`dequantize` is quill's own reading of the layouts, held bit for bit to the `gguf` package's
+dequantizers (tests/test_kquant.py); `reference_linear` computes what the native kernel does,
+activation quantization included (int8 per row and super-block, as llama.cpp's Q8_K), so the
+kernel can be held to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quill.ops import library
+from quill.ops.gguf_types import BLOCK_BYTES, NAMES, Q4_K, Q5_K, Q6_K, SUPER, type_of
+
+__all__ = ["BLOCK_BYTES", "NAMES", "Q4_K", "Q5_K", "Q6_K", "SUPER", "type_of"]
+
+
+def in_features(weight: torch.Tensor, ggml_type: int) -> int:
+    return weight.shape[1] // BLOCK_BYTES[ggml_type] * SUPER
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes as fp16 -> fp32 [...]."""
+    return b.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _scales_and_mins(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit mins (int32)."""
+    q = q.int()
+    lo, mid, top = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    scales = torch.cat([lo & 63, (top & 15) | ((lo >> 6) << 4)], -1)
+    mins = torch.cat([mid & 63, (top >> 4) | ((mid >> 6) << 4)], -1)
+    return scales, mins
+
+
+def dequantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """A K-quant weight [N, bytes per row] -> fp32 [N, K]."""
+    n = weight.shape[0]
+    blocks = weight.reshape(n, -1, BLOCK_BYTES[ggml_type])
+    if ggml_type in (Q4_K, Q5_K):
+        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+        scales, mins = _scales_and_mins(blocks[..., 4:16])
+        qs = blocks[..., 48:] if ggml_type == Q5_K else blocks[..., 16:]
+        # 32-byte chunk c: low nibbles are sub-block 2c, high nibbles 2c + 1.
+        chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32).int()
+        q = (chunks >> torch.tensor([0, 4], dtype=torch.int32).view(2, 1)) & 15
+        q = q.reshape(*qs.shape[:-1], 8, 32)
+        if ggml_type == Q5_K:  # bit j of byte l: sub-block j's fifth bit
+            qh = blocks[..., 16:48].int().unsqueeze(-2)  # [.., 1, 32]
+            q = q | (((qh >> torch.arange(8, dtype=torch.int32).view(8, 1)) & 1) << 4)
+        w = (d[..., None] * scales.float())[..., None] * q.float()
+        w = w - (dmin[..., None] * mins.float())[..., None]
+    elif ggml_type == Q6_K:
+        ql, qh = blocks[..., 0:128].int(), blocks[..., 128:192].int()
+        scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+        d = _half(blocks[..., 208:210])
+        # Per half of 128: low nibbles of its 64 bytes are weights 0..63, high nibbles 64..127;
+        # its 32 bytes of pairs give, at bits 0, 2, 4, 6, the top bits of groups of 32.
+        low = ql.reshape(*ql.shape[:-1], 2, 1, 64)
+        low = (low >> torch.tensor([0, 4], dtype=torch.int32).view(2, 1)) & 15
+        low = low.reshape(*ql.shape[:-1], 2, 128)
+        high = qh.reshape(*qh.shape[:-1], 2, 1, 32)
+        high = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(4, 1)) & 3
+        high = high.reshape(*qh.shape[:-1], 2, 128)
+        q = ((low | (high << 4)) - 32).reshape(*ql.shape[:-1], 16, 16).float()
+        w = (d[..., None] * scales)[..., None] * q
+    else:
+        raise ValueError(f"GGML type {ggml_type} is not a K-quant this module reads")
+    return w.reshape(n, -1)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes [M, K/256, 256] as float, scales fp32 [M, K/256]), as the kernel."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // SUPER, SUPER)
+    scale = blocks.abs().amax(-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return torch.round(blocks * inverse[..., None]), scale
+
+
+def reference_linear(
+    x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What the kernel computes, in float64: the activations quantized as it quantizes them,
+    times the dequantized weight (its integer sums are exact, so only fp32 rounding differs)."""
+    codes, scales = quantize_activations(x)
+    a = (codes * scales[..., None]).reshape(x.shape).double()
+    out = a @ dequantize(weight, ggml_type).double().T
+    return out if bias is None else out + bias.double()
+
+
+def native_available(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dim() == 2 and library.available()
+
+
+def kquant_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ggml_type: int,
+    row_map: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    fallback: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ W.T for a stored K-quant W, in x's dtype: by its `tiles` (W's rows repacked by
+    quill::kquant_pack, in output order) when given, else W read in place; without the native
+    kernel, by the float `fallback` (W dequantized) when given, else dequantized here."""
+    if native_available(x):
+        if tiles is not None:
+            return torch.ops.quill.kquant_tile_linear(x, tiles, ggml_type, weight.shape[0], bias)
+        return torch.ops.quill.kquant_linear(x, weight, ggml_type, row_map, bias)
+    w = fallback if fallback is not None else dequantize(weight, ggml_type)
+    out = F.linear(x, w.to(x.device, x.dtype), None if bias is None else bias.to(x.dtype))
+    if row_map is None:
+        return out
+    placed = torch.empty_like(out)
+    placed[..., row_map.long()] = out
+    return placed
+
+
+def kquant_rows(
+    weight: torch.Tensor, ggml_type: int, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The rows `ids` of a stored K-quant weight, dequantized: [*ids.shape, K]."""
+    flat = ids.reshape(-1)
+    if weight.device.type == "cpu" and library.available():
+        out = torch.ops.quill.kquant_rows(weight, ggml_type, flat, dtype)
+    else:
+        out = dequantize(weight[flat.to(weight.device)], ggml_type).to(dtype)
+    return out.reshape(*ids.shape, -1)

@@ -1,0 +1,167 @@
+"""GGUF weights used where they lie (quill/model/stored.py): a tiny Llama quantized by
+llama.cpp's own quantizer into a mix of types (tests/fixtures/make_kquant_fixture.py: Q4_K,
+Q5_K and Q6_K inside one merged projection, a Q4_K table tied to the head, Q8_0 and Q5_0
+beside them), against transformers reading the same file.
+
+The stored products quantize their activations to int8 per row and 256 values, as llama.cpp
+does, so their logits are not a float evaluation's: the model is held (1) to the same model
+with every stored product computed by the PyTorch model of the kernel (activations quantized
+alike, float64 sums) product by product, within float rounding, which checks the whole path
+(tiles, row maps, merged types, the tied table as head); and (2) to transformers' float
+evaluation of the file, teacher-forced, within the bound that activation quantization leaves
+on these logits, and
+with the same greedy choice wherever transformers' top two are further apart than twice it.
+With quantization="none" the file's tensors are dequantized at load and greedy tokens equal
+transformers' exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quill import LLM, SamplingParams
+from quill.model.stored import StoredEmbedding, StoredLinear
+from quill.ops import kquant
+from tests.conftest import NATIVE
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-kquant.gguf"
+PROMPTS = [[1, 504, 8870, 2056], list(range(300, 360)), [7, 9]]
+# Teacher-forced logprob distance to transformers' float logits (measured at most 0.77 here:
+# large for a random model whose logits span tens of nats; ~1% of them).
+BOUND = 0.8
+needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
+OPTIONS = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(FIXTURE.parent), gguf_file=FIXTURE.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def stored_llm():
+    return LLM(str(FIXTURE), **OPTIONS)
+
+
+def greedy(reference, ids: list[int], n: int) -> list[int]:
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        out = reference.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=n,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[0].tolist()
+
+
+def test_the_k_quant_tensors_are_used_as_stored(stored_llm):
+    model = stored_llm.engine.runner.model
+    assert isinstance(model.embed_tokens, StoredEmbedding)
+    assert isinstance(model.lm_head, StoredLinear)  # the tied table, as the head
+    qkv = model.layers[0].qkv_proj
+    assert isinstance(qkv, StoredLinear)
+    assert [s.type_name for s in qkv.segments] == ["Q4_K", "Q5_K", "Q6_K"]
+    assert all(isinstance(model.layers[0].get_submodule(n), StoredLinear)
+               for n in ("o_proj", "gate_up_proj", "down_proj"))  # fmt: skip
+    assert not isinstance(model.layers[1].qkv_proj, StoredLinear)  # Q8_0: quill's int8 path
+    assert not isinstance(model.layers[1].down_proj, StoredLinear)  # Q5_0: not read in place
+    # No float copy of any stored tensor: the model's own parameters are the rest.
+    stored_bytes = sum(m.nbytes for m in model.modules() if isinstance(m, StoredLinear))
+    floats = sum(p.numel() for p in model.parameters())
+    assert floats < 49152 * 256 / 10  # the 12.6M-weight table is not among them
+    assert stored_bytes > 0
+
+
+def test_float_path_greedy_equals_transformers(reference):
+    llm = LLM(str(FIXTURE), quantization="none", **OPTIONS)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        assert out.outputs[0].token_ids == greedy(reference, ids, 16)[len(ids) :]
+
+
+@needs_native
+def test_every_stored_product_is_the_kernels_model_of_it(stored_llm, monkeypatch):
+    """Each stored product of a batched step (merged parts of three types, row maps, the
+    tied head over the scored rows) against kquant.reference_linear on its own input: the same
+    activation quantization, float64 sums. (Whole models are not compared so: a rounding
+    difference can move an activation across an int8 step in the next product.)"""
+    native = kquant.kquant_linear
+    seen = []
+
+    def checked(x, weight, ggml_type, row_map=None, bias=None, fallback=None, tiles=None):
+        out = native(x, weight, ggml_type, row_map, bias, fallback, tiles)
+        want = kquant.reference_linear(x, weight, ggml_type, bias)
+        if row_map is not None:
+            placed = torch.empty_like(want)
+            placed[:, row_map.long()] = want
+            want = placed
+        scale = want.abs().max().item()
+        assert (out.double() - want).abs().max().item() <= 1e-6 * max(scale, 1.0) * 8
+        seen.append((kquant.NAMES[ggml_type], x.shape[0], tiles is not None))
+        return out
+
+    monkeypatch.setattr(kquant, "kquant_linear", checked)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    stored_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert {name for name, _, _ in seen} == {"Q4_K", "Q5_K", "Q6_K"}
+    assert max(rows for _, rows, _ in seen) == sum(len(p) for p in PROMPTS)
+    # Q4_K and Q5_K in tiles, Q6_K and the looked-up table read in place.
+    assert {(name, tiled) for name, _, tiled in seen} == {
+        ("Q4_K", True),
+        ("Q5_K", True),
+        ("Q6_K", False),
+        ("Q4_K", False),
+    }
+
+
+def test_stored_path_against_transformers_teacher_forced(stored_llm, reference):
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    checked = 0
+    for ids in PROMPTS:
+        full = greedy(reference, ids, 16)
+        with torch.inference_mode():
+            logits = reference(torch.tensor([full])).logits[0].log_softmax(-1)
+        scored = stored_llm.generate([full], params, use_tqdm=False)[0].prompt_logprobs
+        for pos in range(len(ids), len(full)):
+            token = full[pos]
+            assert abs(scored[pos][token] - logits[pos - 1, token].item()) < BOUND
+            top2 = logits[pos - 1].topk(2).values
+            if top2[0] - top2[1] > 2 * BOUND:
+                assert max(scored[pos], key=scored[pos].get) == token
+                checked += 1
+    assert checked >= 5  # the greedy choice was compared where it is not rounding's
+
+
+def test_loading_takes_no_more_memory_than_the_file_and_the_floats(tmp_path):
+    """RSS after loading, in a fresh process, against before: at most the file, the floats
+    quill makes (norms, and the tensors not read in place), the KV pool and 150 MB."""
+    script = f"""
+import json, resource, sys, torch
+from quill import LLM
+from quill.ops import library
+library.load()
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096
+before = rss()
+llm = LLM({str(FIXTURE)!r}, dtype="float32", kv_cache_memory=8 << 20)
+model = llm.engine.runner.model
+floats = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({{"delta": rss() - before, "floats": floats}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "QUILL_CACHE": os.environ.get("QUILL_CACHE", "")}
+                          if os.environ.get("QUILL_CACHE") else None, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    allowed = FIXTURE.stat().st_size + figures["floats"] + (8 << 20) + (150 << 20)
+    assert figures["delta"] <= allowed, figures
