@@ -208,6 +208,10 @@ template <int64_t Type, int R, int T>
 void tile_rows(const uint8_t* group, int t0, int64_t supers, const Activations& act, int64_t m0,
                float* out[]) {
   using P = Place<Type>;
+  // Accumulators per tile and row: where few (a token row or two), the low and the high
+  // nibbles' products in chains of their own, twice the independent work in flight; where
+  // many, one each, so that all stay in registers.
+  constexpr int S = R * T >= 4 ? 1 : 2;
   const int64_t tsb = tile_super_bytes(Type), groups = act.k / 16;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[T][R];
@@ -222,20 +226,18 @@ void tile_rows(const uint8_t* group, int t0, int64_t supers, const Activations& 
     for (int j = 0; j < 8; ++j) {
       // The hardware prefetcher alone keeps too few lines in flight for a thread's one stream
       // (36 against 40 GB/s of the row-major kernel's several); an eighth of the group's
-      // super-block kPrefetch ahead per sub-block (past the group's end: the next group's).
-      if constexpr (R <= 2) {
+      // super-block kPrefetch ahead per sub-block (past the group's end: the next group's), by
+      // the pass over the group's first tile (later passes find the group in L2).
+      if (t0 == 0) {
         const uint8_t* ahead = sb + kPrefetch * kGroup * tsb + j * (kGroup * tsb / 8);
         for (int64_t line = 0; line < kGroup * tsb / 8; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
       }
-      // Per group of the sub-block (Q6_K: its two groups of 16 apart), the low and the high
-      // nibbles' products in chains of their own (twice the independent work in flight).
-      __m512i dot[T][R][4];
+      __m512i dot[T][R][S];
       for (int t = 0; t < T; ++t)
         for (int r = 0; r < R; ++r)
-          for (int i = 0; i < 4; ++i) dot[t][r][i] = _mm512_setzero_si512();
+          for (int i = 0; i < S; ++i) dot[t][r][i] = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
-        const int half = Type == kQ6K ? p / 2 : 0;
         __m512i lo_a[R], hi_a[R];
         for (int r = 0; r < R; ++r) {
           const int8_t* a = a0 + r * act.k + 32 * j + 8 * p;
@@ -251,29 +253,35 @@ void tile_rows(const uint8_t* group, int t0, int64_t supers, const Activations& 
             hi = _mm512_or_si512(hi, high_bits<Type>(sb + P::bits((4 * j + p) * 2 + 1, t0 + t)));
           }
           for (int r = 0; r < R; ++r) {
-            dot[t][r][2 * half] = _mm512_dpbusd_epi32(dot[t][r][2 * half], lo, lo_a[r]);
-            dot[t][r][2 * half + 1] = _mm512_dpbusd_epi32(dot[t][r][2 * half + 1], hi, hi_a[r]);
+            dot[t][r][0] = _mm512_dpbusd_epi32(dot[t][r][0], lo, lo_a[r]);
+            dot[t][r][S - 1] = _mm512_dpbusd_epi32(dot[t][r][S - 1], hi, hi_a[r]);
+          }
+        }
+        if constexpr (Type == kQ6K) {
+          if (p % 2 == 0) continue;
+          // Steps 2g, 2g + 1 are the sub-block's group g of 16 inputs: folded in at once, so
+          // the accumulators are free for the next group.
+          const int g = 2 * j + p / 2;
+          for (int t = 0; t < T; ++t) {
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(sb + P::scales(g, t0 + t))));
+            for (int r = 0; r < R; ++r) {
+              const int16_t sum = act.sums16[(m0 + r) * groups + s * 16 + g];
+              const __m512i both = S == 2 ? _mm512_add_epi32(dot[t][r][0], dot[t][r][S - 1]) : dot[t][r][0];
+              const __m512i centred = _mm512_sub_epi32(both, _mm512_set1_epi32(32 * sum));
+              isum[t][r] = _mm512_add_epi32(isum[t][r], _mm512_mullo_epi32(centred, sc));
+              for (int i = 0; i < S; ++i) dot[t][r][i] = _mm512_setzero_si512();
+            }
           }
         }
       }
-      for (int t = 0; t < T; ++t) {
-        if constexpr (Type == kQ6K) {
-          for (int g = 0; g < 2; ++g) {
-            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                reinterpret_cast<const __m128i*>(sb + P::scales(2 * j + g, t0 + t))));
-            for (int r = 0; r < R; ++r) {
-              const int16_t sum = act.sums16[(m0 + r) * groups + s * 16 + 2 * j + g];
-              const __m512i both = _mm512_add_epi32(dot[t][r][2 * g], dot[t][r][2 * g + 1]);
-              const __m512i centred = _mm512_sub_epi32(both, _mm512_set1_epi32(32 * sum));
-              isum[t][r] = _mm512_add_epi32(isum[t][r], _mm512_mullo_epi32(centred, sc));
-            }
-          }
-        } else {
+      if constexpr (Type != kQ6K) {
+        for (int t = 0; t < T; ++t) {
           const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + P::scales(j, t0 + t))));
           const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + P::mins(j, t0 + t))));
           for (int r = 0; r < R; ++r) {
             const int16_t sum = act.sums32[(m0 + r) * (groups / 2) + s * 8 + j];
-            const __m512i both = _mm512_add_epi32(dot[t][r][0], dot[t][r][1]);
+            const __m512i both = S == 2 ? _mm512_add_epi32(dot[t][r][0], dot[t][r][S - 1]) : dot[t][r][0];
             isum[t][r] = _mm512_add_epi32(isum[t][r], _mm512_mullo_epi32(both, sc));
             msum[t][r] = _mm512_add_epi32(msum[t][r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(sum)));
           }

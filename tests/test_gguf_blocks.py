@@ -174,3 +174,24 @@ def test_int4_takes_the_default_models_q4_1_blocks(caplog):
     # Measured: at most 0.055 nats, mean ~0.02 (the activations' int8 rounding alone); int4
     # re-quantized from the floats moves ~0.1 on average (test_quant.py).
     assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.04, gaps
+
+
+def test_auto_makes_the_blocks_the_weights_with_no_float_copy(q8_0_gguf, direct_llm):
+    """quantization auto (the default) on a Q8_0 file: every layer product is made from the
+    file's blocks alone (their float tensors never filled), so it serves what int8 serves."""
+    auto = _llm(q8_0_gguf, "auto")
+    model = auto.engine.runner.model
+    layer_products = [m for layer in model.layers for m in layer.modules()
+                      if isinstance(m, QuantizedLinear)]  # fmt: skip
+    assert len(layer_products) == 4 * len(model.layers)  # qkv, o, gate_up, down
+    assert all(m.float_weight is None and m.max_rows is None for m in layer_products)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    codes, scales = model.layers[0].down_proj.q8.unpack()
+    want_codes, want_scales = _file_blocks(q8_0_gguf, "blk.0.ffn_down.weight")
+    assert torch.equal(codes, torch.from_numpy(want_codes))
+    assert torch.equal(scales, torch.from_numpy(want_scales))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got = auto.generate(PROMPTS[:4], params, use_tqdm=False)
+    want = direct_llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids

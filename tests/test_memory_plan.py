@@ -38,7 +38,7 @@ def test_the_plan_counts_what_each_way_of_holding_weights_takes(model_dir):
     cpu = torch.device("cpu")
     gguf = model_dir.parent  # not a GGUF: the config's count
     plan = memory_plan.plan_memory(gguf, "safetensors", 1000, 2, cpu, False, "auto")
-    assert plan.parts == {"used as stored": 0, "floats": 2000, "int8 copies": 1062}
+    assert plan.parts == {"used as stored": 0, "repacked": 0, "floats": 2000, "int8 copies": 1062}
     plan = memory_plan.plan_memory(gguf, "safetensors", 1000, 4, cpu, False, "none")
     assert plan.parts["int8 copies"] == 0 and plan.weights == 4000
     left = plan.available - plan.weights - plan.working

@@ -24,7 +24,7 @@ from quill.model.loader import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from quill.model.memory_plan import COPIES_SHARE, available_memory
+from quill.model.memory_plan import COPIES_SHARE, available_memory, return_freed_memory
 from quill.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,10 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
     if tp is not None:
         tp.shard(loaded.model)
         blocks = {}  # each rank quantizes its own slices from the floats
-    _quantize(loaded.model, config.quantization, device, blocks, plan)
+    _quantize(loaded.model, config.quantization, device, blocks, plan, loaded.unloaded)
+    del blocks
+    loaded.blocks = {}  # held in the weights now: the decoded copies go
+    return_freed_memory()
     tok_source = Path(config.tokenizer) if config.tokenizer else loaded.source
     tokenizer = None  # ranks past 0 neither sample nor hold back end tokens
     if tp is None or tp.is_driver:
@@ -155,7 +158,11 @@ def _cgroup_cpu_quota() -> int | None:
     return max(1, int(int(quota) / int(period)))
 
 
-def _quantize(model, method: str, device: torch.device, blocks: dict, plan=None) -> None:
+def _quantize(
+    model, method: str, device: torch.device, blocks: dict, plan=None, unloaded=frozenset()
+) -> None:
+    """`unloaded`: parameters loaded only as their GGUF blocks (Q8_0, Q4_x), made int8 / int4
+    from them whatever is chosen for the rest."""
     from quill.model.linear import choose_native_rows, choose_split
     from quill.model.quant import choose_quantization, quantize_model
     from quill.model.stored import StoredLinear
@@ -170,6 +177,13 @@ def _quantize(model, method: str, device: torch.device, blocks: dict, plan=None)
             "weights: %d products used as the GGUF file stores them, no float copy (%s)",
             len(stored),
             ", ".join(f"{t} {b / (1 << 20):.0f} MiB" for t, b in sorted(types.items())),
+        )
+    if unloaded:
+        taken = quantize_model(model, None, head=True, blocks=blocks, unloaded=unloaded)
+        log.info(
+            "weights: %d products made from the GGUF file's %s blocks alone, no float copy",
+            len(taken),
+            "/".join(sorted(set(taken.values()))),
         )
     if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
         return  # every product is stored: nothing to quantize or to choose

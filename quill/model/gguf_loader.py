@@ -144,14 +144,14 @@ def gguf_stored_tensors(reader: GGUFFile, config: dict) -> dict[str, StoredTenso
 
 
 # How many bytes one block of 32 weights takes in each quantized type quill reads as stored.
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+QUANT_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
 def _decode_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, ...]:
     """A tensor's raw blocks -> Q8_0: (codes int8, scales fp16); Q4_x: (codes 0..15, d, c)
     with w = d * code + c (Q4_1: c = m; Q4_0: c = -8 d), per row and block of 32."""
     rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, _BLOCK_BYTES[kind])
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, QUANT_BLOCK_BYTES[kind])
     d = blocks[..., :2].copy().view(np.float16)[..., 0]
     if kind == "Q8_0":
         return blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), d
@@ -172,7 +172,7 @@ def gguf_quantized_blocks(reader: GGUFFile, config: dict) -> Iterator[tuple[str,
     layer_tensors = _GEMMA3_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind not in _BLOCK_BYTES:
+        if kind not in QUANT_BLOCK_BYTES:
             continue
         name = _GLOBAL_TENSORS.get(t.name)
         parts = t.name.split(".")

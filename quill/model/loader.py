@@ -77,10 +77,16 @@ class LoadedModel:
     # Our parameter name -> (GGUF type, its blocks) where a GGUF file stored it whole in Q8_0,
     # Q4_0 or Q4_1 (gguf_loader.gguf_quantized_blocks).
     blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    # The parameters whose weights are only in `blocks` (never dequantized: quantize_model
+    # makes them from their blocks); their float tensors are left empty, untouched.
+    unloaded: frozenset[str] = frozenset()
 
 
 def load_weights(
-    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+    model: LlamaForCausalLM,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    unloaded: frozenset[str] = frozenset(),
 ) -> None:
     params = dict(model.named_parameters())
     target_of = family(config).weight_target
@@ -101,7 +107,7 @@ def load_weights(
             param[target.offset : target.offset + target.rows].copy_(tensor)
         filled[target.param] = filled.get(target.param, 0) + tensor.numel()
     for name, param in params.items():
-        if filled.get(name, 0) != param.numel():
+        if filled.get(name, 0) != param.numel() and name not in unloaded:
             raise ModelLoadError(f"checkpoint is missing weights for {name!r}")
 
 
@@ -193,7 +199,7 @@ def load_model(
 
         stored = gguf_loader.gguf_stored_tensors(reader, hf_config)
     model, taken = _build(config, positions, dtype, device, stored)
-    blocks = {}
+    blocks, unloaded = {}, frozenset()
     if load_format == "dummy":
         _dummy_init(model)
     elif is_gguf:
@@ -204,13 +210,28 @@ def load_model(
             views = {id(s.data): t.data for t in reader.tensors for s in stored.values()
                      if s.data.data_ptr() == t.data.ctypes.data}  # fmt: skip
             pack_tiles(model, lambda s: reader.release(views[id(s.data)]))
-        weights = gguf_loader.gguf_tensors(reader, hf_config, frozenset(taken))
-        load_weights(model, weights, config)
-        blocks = _block_params(gguf_loader.gguf_quantized_blocks(reader, hf_config), model, config)
+        found = list(gguf_loader.gguf_quantized_blocks(reader, hf_config))
+        blocks = _block_params(found, model, config)
+        skip = set(taken)
+        if keep_stored and library_available():
+            # Q8_0 and Q4_x tensors become int8 / int4 weights from their blocks alone; the
+            # embedding table is the exception (its lookup reads floats).
+            unloaded = frozenset(p for p in blocks if p != "embed_tokens.weight")
+            target_of = family(config).weight_target
+            targets = {name: target_of(name, config) for name, _, _ in found}
+            skip |= {n for n, t in targets.items() if t is not None and t.param in unloaded}
+        del found
+        weights = gguf_loader.gguf_tensors(reader, hf_config, frozenset(skip))
+        load_weights(model, weights, config, unloaded)
+        # Every tensor not read in place has been copied (floats, blocks): its pages go.
+        in_place = {s.data.data_ptr() for s in stored.values() if s.tiles is None}
+        for t in reader.tensors:
+            if t.data.ctypes.data not in in_place:
+                reader.release(t.data)
     else:
         load_weights(model, _safetensors_weights(_safetensors_files(path)), config)
     model.eval()
-    return LoadedModel(model, config, hf_config, path, blocks)
+    return LoadedModel(model, config, hf_config, path, blocks, unloaded)
 
 
 def read_model_config(path: str | Path, load_format: str) -> ModelConfig:
@@ -254,6 +275,10 @@ def _block_params(blocks, model: LlamaForCausalLM, config: ModelConfig) -> dict:
         ):
             continue
         pieces.sort(key=lambda piece: piece[0])
-        merged = tuple(torch.cat([t[i] for _, _, t in pieces]) for i in range(len(pieces[0][2])))
+        if len(pieces) == 1:  # no copy
+            merged = pieces[0][2]
+        else:
+            count = len(pieces[0][2])
+            merged = tuple(torch.cat([t[i] for _, _, t in pieces]) for i in range(count))
         out[param_name] = (kinds.pop(), merged)
     return out

@@ -38,11 +38,16 @@ class QuantizedLinear(nn.Module):
         method: str,
         max_rows: int | None = None,
         stored: tuple[torch.Tensor, ...] | None = None,
+        unloaded: bool = False,
     ) -> None:
         """stored: the blocks to take as they are (a GGUF file's): (codes, scales) for int8,
-        (codes, d, c) for int4."""
+        (codes, d, c) for int4. `unloaded`: the linear's float weight was never filled (the
+        blocks are all there is); no float copy is kept."""
         super().__init__()
-        weight = linear.weight.detach().float()
+        if unloaded and (stored is None or max_rows is not None):
+            raise ValueError("a weight loaded only as blocks needs its blocks and no float copy")
+        # Its shape and device only, when unloaded: reading it would fault in untouched pages.
+        weight = linear.weight.detach() if unloaded else linear.weight.detach().float()
         self.method = method
         self.parts = getattr(linear, "parts", None)
         self.out_features, self.in_features = weight.shape
@@ -95,6 +100,7 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 # The GGUF types each method takes as stored.
 _STORED_TYPES = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}
+_METHOD_OF = {kind: method for method, kinds in _STORED_TYPES.items() for kind in kinds}
 
 
 def quantize_model(
@@ -103,13 +109,24 @@ def quantize_model(
     max_rows: int | None = None,
     head: bool = False,
     blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] | None = None,
+    unloaded: frozenset[str] = frozenset(),
 ) -> dict[str, str]:
     """Swap the decoder layers' linear modules for quantized ones, in place; with `head`, the
     output head too, in int8 (for a tied model, a quantized copy of the embedding table, which
     the embedding lookup keeps using in float). `blocks`: parameter name -> (GGUF type, blocks)
     loaded from a GGUF file; those of a type the method stores alike are taken as they are.
-    Returns the parameters so taken, with their types."""
+    Those in `unloaded` (no floats loaded) become their blocks' own method whatever `method`
+    is (None: only those). Returns the parameters so taken, with their types."""
     taken: dict[str, str] = {}
+
+    def make(linear: nn.Linear, name: str, method: str | None) -> nn.Module:
+        if name in unloaded:
+            kind, tensors = blocks.pop(name)  # packed now: the decoded blocks can go
+            taken[name] = kind
+            return QuantizedLinear(linear, _METHOD_OF[kind], None, tensors, unloaded=True)
+        if method is None:
+            return linear
+        return QuantizedLinear(linear, method, max_rows, stored(name, method))
 
     def stored(name: str, method: str) -> tuple[torch.Tensor, ...] | None:
         kind, tensors = (blocks or {}).get(name, (None, None))
@@ -120,9 +137,10 @@ def quantize_model(
 
     for i, layer in enumerate(model.layers):
         for parent, name, linear in _linears(layer):
-            blocks_here = stored(f"layers.{i}.{name}.weight", method)
-            setattr(parent, name, QuantizedLinear(linear, method, max_rows, blocks_here))
-    if head and isinstance(model.lm_head, nn.Linear | None):  # not a stored head
+            setattr(parent, name, make(linear, f"layers.{i}.{name}.weight", method))
+    if "lm_head.weight" in unloaded:
+        model.lm_head = make(model.lm_head, "lm_head.weight", None)
+    elif head and isinstance(model.lm_head, nn.Linear | None):  # not a stored head
         linear, name = model.lm_head, "lm_head.weight"
         if linear is None:
             table = model.embed_tokens.weight
@@ -130,8 +148,11 @@ def quantize_model(
             linear.weight = table
             name = "embed_tokens.weight"
         # The head in int8 for either method, as GGUF's Q4 files keep it in Q8_0: it is a fifth
-        # of the default model's bytes, and its logits decide every greedy choice.
-        model.lm_head = QuantizedLinear(linear, "int8", max_rows, stored(name, "int8"))
+        # of the default model's bytes, and its logits decide every greedy choice. With no
+        # method (only the blocks-alone weights), where the file has it in Q8_0.
+        if method is not None or (blocks or {}).get(name, ("",))[0] == "Q8_0":
+            rows = max_rows if method is not None else None
+            model.lm_head = QuantizedLinear(linear, "int8", rows, stored(name, "int8"))
     forget_native_weights(model)
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     qlinear.move_to_huge_pages([m.q8 if m.method == "int8" else m.q4 for m in quantized])

@@ -10,21 +10,25 @@ own type (a Q4_K_M file mixes Q4_K and Q6_K inside one layer). llama.cpp's conve
 Llama's q and k rows for its rotary layout; a stored q or k writes each row's output to its
 unpermuted column instead (the kernel's `row_map`), so the rows stay where they lie too.
 
-Q4_K and Q5_K products are faster in tiles of 16 rows (csrc/kquant_tiles.cpp: 1.0-1.2 TOP/s
-at 64-256 token rows against 0.4 read row by row, as fast at one; docs/benchmarks.md), so
-`pack_tiles` repacks them once at load, the values unchanged, and lets go of the file's pages
-they came from: the tiles replace the mapped pages rather than sit beside them. Q6_K (faster
-read in place at a few rows) and a table that is also looked up stay where they lie.
+K-quant products are faster in tiles of 16 rows (csrc/kquant_tiles.cpp; with AVX-512, Q4_K
+1.0 TOP/s at 64 token rows against 0.37 read row by row, and faster at one row too, 97 against
+44 GB/s hot; docs/benchmarks.md), so `pack_tiles` repacks them once at load, the values
+unchanged, and lets go of the file's pages they came from: the tiles replace the mapped pages
+rather than sit beside them. The AVX2 library's Q6_K tiles lose at a few rows (31 against 48
+GB/s at one), so there Q6_K stays where it lies; so does a table that is also looked up.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from quill.ops import kquant
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -158,26 +162,44 @@ def attach_stored(model: nn.Module, stored: dict[str, StoredTensor], config, dty
     return taken
 
 
-# The types repacked in tiles (see the module's docstring for the measurements).
-TILED_TYPES = frozenset({kquant.Q4_K, kquant.Q5_K})
+def tiled_types() -> frozenset[int]:
+    """The types repacked in tiles by the library loaded here (the module's docstring)."""
+    from quill.ops import library
+
+    native = library.load()
+    if native is not None and native.isa == "avx512":
+        return frozenset({kquant.Q4_K, kquant.Q5_K, kquant.Q6_K})
+    return frozenset({kquant.Q4_K, kquant.Q5_K})
 
 
 def pack_tiles(model: nn.Module, release=None) -> int:
-    """Repack the stored products' Q4_K and Q5_K parts in tiles (not a table the model also
-    looks up), calling `release(segment)` after each (the file's pages it came from can go).
+    """Repack the stored products' parts of `tiled_types()` in tiles (not a table the model
+    also looks up), calling `release(segment)` after each (the file's pages it came from can go).
     Returns the bytes of tiles made."""
+    import sys
+    import time
+
+    from tqdm import tqdm
+
     embed = getattr(model, "embed_tokens", None)
     looked_up = embed.table.data if isinstance(embed, StoredEmbedding) else None
-    made = 0
-    for module in model.modules():
-        if not isinstance(module, StoredLinear):
-            continue
-        for s in module.segments:
-            if s.ggml_type not in TILED_TYPES or s.data is looked_up or s.tiles is not None:
-                continue
+    tiled = tiled_types()
+    todo = [s for m in model.modules() if isinstance(m, StoredLinear) for s in m.segments
+            if s.ggml_type in tiled and s.data is not looked_up and s.tiles is None]  # fmt: skip
+    total = sum(s.nbytes for s in todo)
+    if not todo:
+        return 0
+    log.info("weights: repacking %.0f MiB of K-quant weights in tiles", total / (1 << 20))
+    start, made = time.perf_counter(), 0
+    bar = tqdm(total=total, desc="repacking weights", unit="B", unit_scale=True,
+               disable=not sys.stderr.isatty(), leave=False)  # fmt: skip
+    with bar:
+        for s in todo:
             order = None if s.row_map is None else torch.argsort(s.row_map.long())
             s.tiles = torch.ops.quill.kquant_pack(s.data, s.ggml_type, order)
             made += s.tiles.numel()
             if release is not None:
                 release(s)
+            bar.update(s.nbytes)
+    log.info("weights: repacked in %.1f s", time.perf_counter() - start)
     return made
