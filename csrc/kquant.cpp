@@ -359,16 +359,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
 #else
   const int* interleave = nullptr;
 #endif
-  switch (x.scalar_type()) {
-    case at::kFloat: quantize(x.data_ptr<float>(), rows, k, x.stride(0), interleave, act); break;
-    case at::kBFloat16:
-      quantize(reinterpret_cast<const bf16*>(x.data_ptr()), rows, k, x.stride(0), interleave, act);
-      break;
-    case at::kHalf:
-      quantize(reinterpret_cast<const fp16*>(x.data_ptr()), rows, k, x.stride(0), interleave, act);
-      break;
-    default: TORCH_CHECK(false, op, ": x dtype ", x.scalar_type(), " is not supported");
-  }
+  quantize_input(x, interleave, act, op);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const int64_t row_bytes = weight.stride(0);
   const int64_t blocks_of_rows = (n + kRowBlock - 1) / kRowBlock;

@@ -4,6 +4,9 @@
 // half to even, as llama.cpp's Q8_K), with their sums over every 16 and 32 values.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -96,6 +99,17 @@ void quantize(const T* x, int64_t rows, int64_t k, int64_t stride, const int* or
       int16_t* sums32 = out.sums32.data() + (m * k + s * kSuper) / 32;
       for (int j = 0; j < kSuper / 32; ++j) sums32[j] = int16_t(sums[2 * j] + sums[2 * j + 1]);
     }
+  }
+}
+
+// An op's input x ([rows, k], rows contiguous; float32, bf16 or fp16) quantized into `act`.
+inline void quantize_input(const at::Tensor& x, const int* order, Activations& act, const char* op) {
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0);
+  switch (x.scalar_type()) {
+    case at::kFloat: quantize(x.data_ptr<float>(), rows, k, stride, order, act); break;
+    case at::kBFloat16: quantize(reinterpret_cast<const bf16*>(x.data_ptr()), rows, k, stride, order, act); break;
+    case at::kHalf: quantize(reinterpret_cast<const fp16*>(x.data_ptr()), rows, k, stride, order, act); break;
+    default: TORCH_CHECK(false, op, ": x dtype ", x.scalar_type(), " is not supported");
   }
 }
 

@@ -526,12 +526,7 @@ at::Tensor kquant_tile_linear(const at::Tensor& x, const at::Tensor& tiles, int6
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(dtype));
   if (rows == 0) return out;
   Activations act;
-  switch (x.scalar_type()) {
-    case at::kFloat: quantize(x.data_ptr<float>(), rows, k, x.stride(0), nullptr, act); break;
-    case at::kBFloat16: quantize(reinterpret_cast<const bf16*>(x.data_ptr()), rows, k, x.stride(0), nullptr, act); break;
-    case at::kHalf: quantize(reinterpret_cast<const fp16*>(x.data_ptr()), rows, k, x.stride(0), nullptr, act); break;
-    default: TORCH_CHECK(false, op, ": x dtype ", x.scalar_type(), " is not supported");
-  }
+  quantize_input(x, nullptr, act, op);
   const uint8_t* w = tiles.data_ptr<uint8_t>();
   const int64_t group_bytes = tiles.stride(0);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {

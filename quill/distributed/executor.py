@@ -58,6 +58,11 @@ class TensorParallelExecutor:
     def layouts(self):
         return self.runner.layouts
 
+    @property
+    def model(self):
+        """Rank 0's slice of the model: its weights' formats are every rank's."""
+        return self.runner.model
+
     def execute(self, plan: StepPlan) -> StepResult:
         return self.runner.sample(self.forward_pass(plan))
 

@@ -47,6 +47,16 @@ class EngineWorker:
             from quill.model.factory import build_model_executor
 
             built = build_model_executor(config)
+        try:
+            self._assemble(config, built, clock)
+        except BaseException:  # the executor started ranks and threads: none may outlive this
+            close = getattr(built.runner, "close", None)
+            if close is not None:
+                close()
+            raise
+
+    def _assemble(self, config: EngineConfig, built, clock) -> None:
+        """The engine core and its observers around a built executor."""
         self.built = built
         self.runner = built.runner
         kv = KVCacheManager(

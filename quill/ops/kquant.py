@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from quill.ops import library
 from quill.ops.gguf_types import BLOCK_BYTES, NAMES, Q4_K, Q5_K, Q6_K, SUPER, type_of
+from quill.ops.qlinear import quantize_activations
 
 __all__ = ["BLOCK_BYTES", "NAMES", "Q4_K", "Q5_K", "Q6_K", "SUPER", "type_of"]
 
@@ -76,21 +77,12 @@ def dequantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return w.reshape(n, -1)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (codes [M, K/256, 256] as float, scales fp32 [M, K/256]), as the kernel."""
-    m, k = x.shape
-    blocks = x.float().reshape(m, k // SUPER, SUPER)
-    scale = blocks.abs().amax(-1) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
-    return torch.round(blocks * inverse[..., None]), scale
-
-
 def reference_linear(
     x: torch.Tensor, weight: torch.Tensor, ggml_type: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """What the kernel computes, in float64: the activations quantized as it quantizes them,
     times the dequantized weight (its integer sums are exact, so only fp32 rounding differs)."""
-    codes, scales = quantize_activations(x)
+    codes, scales = quantize_activations(x, SUPER)
     a = (codes * scales[..., None]).reshape(x.shape).double()
     out = a @ dequantize(weight, ggml_type).double().T
     return out if bias is None else out + bias.double()

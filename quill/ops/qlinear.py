@@ -106,10 +106,11 @@ def move_to_huge_pages(packs: list) -> None:
         offset += n
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (codes [M, K/32, 32] as float, scales fp32 [M, K/32]), as the kernel does."""
+def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes [M, K/block, block] as float, scales fp32 [M, K/block]), as the
+    kernels do (blocks of 32 here; the K-quant kernels' super-blocks of 256)."""
     m, k = x.shape
-    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    blocks = x.float().reshape(m, k // block, block)
     scale = blocks.abs().amax(-1) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     return torch.round(blocks * inverse[..., None]), scale
