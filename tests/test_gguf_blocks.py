@@ -195,3 +195,84 @@ def test_auto_makes_the_blocks_the_weights_with_no_float_copy(q8_0_gguf, direct_
     want = direct_llm.generate(PROMPTS[:4], params, use_tqdm=False)
     for a, b in zip(got, want, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_table_rows_dequantize_as_gguf_does(kind):
+    """A table in blocks of 32 is looked up where it lies: the rows read are dequantized bit for
+    bit as the gguf package dequantizes them (random blocks, zero and extreme scales, every
+    code)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from quill.ops.gguf_types import BLOCK32_BYTES, BLOCK32_TYPES
+
+    ggml_type = BLOCK32_TYPES[kind]
+    rng = np.random.default_rng(7)
+    rows, blocks = 12, 6
+    raw = rng.integers(0, 256, (rows, blocks, BLOCK32_BYTES[ggml_type]), dtype=np.uint8)
+    scales = rng.normal(0, 0.05, (rows, blocks)).astype(np.float16)
+    scales[0, 0], scales[1, 1], scales[2, 2] = 0, 65504, -65504  # zero and extreme scales
+    raw[..., :2] = scales.view(np.uint8).reshape(rows, blocks, 2)
+    if kind == "Q4_1":
+        mins = rng.normal(0, 0.05, (rows, blocks)).astype(np.float16)
+        raw[..., 2:4] = mins.view(np.uint8).reshape(rows, blocks, 2)
+    codes = raw[3:, :, 4 if kind == "Q4_1" else 2 :]
+    codes[...] = (np.arange(codes.size) % 256).reshape(codes.shape)  # every byte of codes
+    data = raw.reshape(rows, -1)
+    ids = torch.tensor([5, 0, 3, 3, 11, 2, 1])
+    got = qlinear.dequantize_rows(torch.from_numpy(data), ggml_type, ids, torch.float32)
+    want = dequantize(data[ids.numpy()], GGMLQuantizationType[kind]).astype(np.float32)
+    assert torch.equal(got, torch.from_numpy(want.reshape(len(ids), -1)))
+
+
+def test_auto_looks_the_q8_0_table_up_where_it_lies(q8_0_gguf, float_llm):
+    """Under auto the Q8_0 embedding table is never made floats: lookups dequantize the rows
+    they read from the file's map (equal to the float path's table), and the tied head is the
+    table's blocks."""
+    from quill.model.stored import StoredEmbedding
+
+    auto = _llm(q8_0_gguf, "auto")
+    model = auto.engine.runner.model
+    assert isinstance(model.embed_tokens, StoredEmbedding)
+    assert model.embed_tokens.table.type_name == "Q8_0"
+    ids = torch.tensor([[0, 17, 49151], [3, 3, 1000]])
+    table = float_llm.engine.runner.model.embed_tokens.weight
+    torch.testing.assert_close(model.embed_tokens(ids), table[ids].float(), rtol=0, atol=0)
+    head_codes, _ = model.lm_head.q8.unpack()
+    embd_codes, _ = _file_blocks(q8_0_gguf, "token_embd.weight")
+    assert torch.equal(head_codes, torch.from_numpy(embd_codes))
+
+
+def test_a_q8_0_file_loads_in_about_its_own_size(q8_0_gguf):
+    """RSS in a fresh process, against before loading: after loading, and at its peak while
+    loading, at most the file's size, the floats quill makes (norms), the KV pool and 300 MB
+    (measured 2026-12-06: the engine's working buffers take ~190 MB after the weights, for
+    any model; the decoded blocks are one parameter's at a time). The peak is the process's
+    VmHWM (`ru_maxrss` carries the forking parent's peak across exec)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import json, torch
+from quill import LLM
+from quill.ops import library
+library.load()
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096
+before = rss()
+llm = LLM({str(q8_0_gguf)!r}, dtype="float32", kv_cache_memory=8 << 20)
+model = llm.engine.runner.model
+floats = sum(p.numel() * p.element_size() for p in model.parameters())
+status = open('/proc/self/status').read()
+peak = int(status.split('VmHWM:')[1].split()[0]) * 1024
+print(json.dumps({{"delta": rss() - before, "peak": peak - before, "floats": floats}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    allowed = q8_0_gguf.stat().st_size + figures["floats"] + (8 << 20) + (300 << 20)
+    assert figures["delta"] <= allowed and figures["peak"] <= allowed, (figures, allowed)

@@ -52,7 +52,41 @@ def reference():
 
 @pytest.fixture(scope="module")
 def stored_llm():
-    return LLM(str(FIXTURE), **OPTIONS)
+    llm = LLM(str(FIXTURE), **OPTIONS)
+    # The stored path alone: no float copies for large steps (tested on their own below).
+    for m in llm.engine.runner.model.modules():
+        if isinstance(m, StoredLinear):
+            m.float_weight = m.max_rows = None
+    return llm
+
+
+def test_float_copies_are_the_files_values_and_serve_large_steps(stored_llm):
+    """A stored product's float copy (kept for large steps where measured faster) is the file's
+    tensor dequantized, rows in place, as the float path loads it; with a copy, steps above
+    max_rows multiply by it and smaller ones read the stored rows; no budget, no copy."""
+    from quill.model.stored import keep_float_copies
+
+    floats = LLM(str(FIXTURE), **{**OPTIONS, "quantization": "none"}).engine.runner.model
+    model = stored_llm.engine.runner.model
+    stored = {n: m for n, m in model.named_modules() if isinstance(m, StoredLinear)}
+    assert stored
+    for name, m in stored.items():
+        tied = name == "lm_head" and floats.lm_head is None  # the table is the head
+        want = floats.embed_tokens.weight if tied else floats.get_submodule(name).weight
+        assert torch.equal(m.dequantized(torch.float32), want), name
+    assert keep_float_copies(model, torch.float32, budget=0) == (-1, 0)
+    assert all(m.float_weight is None for m in stored.values())
+    try:
+        for m in stored.values():
+            m.float_weight, m.max_rows = m.dequantized(torch.float32), 4
+        m = model.layers[0].down_proj
+        large, small = torch.randn(5, m.in_features), torch.randn(4, m.in_features)
+        assert torch.equal(m(large), torch.nn.functional.linear(large, m.float_weight))
+        m.float_weight = torch.zeros_like(m.float_weight)  # the small step must not read it
+        assert m(small).abs().sum() > 0
+    finally:
+        for m in stored.values():
+            m.float_weight = m.max_rows = None
 
 
 def greedy(reference, ids: list[int], n: int) -> list[int]:

@@ -24,7 +24,12 @@ from quill.model.loader import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from quill.model.memory_plan import COPIES_SHARE, available_memory, return_freed_memory
+from quill.model.memory_plan import (
+    COPIES_SHARE,
+    STORED_COPY_SHARE,
+    available_memory,
+    return_freed_memory,
+)
 from quill.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -165,7 +170,7 @@ def _quantize(
     from them whatever is chosen for the rest."""
     from quill.model.linear import choose_native_rows, choose_split
     from quill.model.quant import choose_quantization, quantize_model
-    from quill.model.stored import StoredLinear
+    from quill.model.stored import StoredLinear, keep_float_copies
 
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     if stored:
@@ -174,10 +179,15 @@ def _quantize(
             for s in m.segments:
                 types[s.type_name] = types.get(s.type_name, 0) + s.nbytes
         log.info(
-            "weights: %d products used as the GGUF file stores them, no float copy (%s)",
+            "weights: %d products used as the GGUF file stores them, in place or in tiles (%s)",
             len(stored),
             ", ".join(f"{t} {b / (1 << 20):.0f} MiB" for t, b in sorted(types.items())),
         )
+        if device.type == "cpu" and plan is not None:
+            dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+            _, copies = keep_float_copies(model, dtype, int(STORED_COPY_SHARE * plan.available))
+            plan.weights += copies  # the KV pool is sized from what is left
+            plan.parts["float copies"] = copies
     if unloaded:
         taken = quantize_model(model, None, head=True, blocks=blocks, unloaded=unloaded)
         log.info(

@@ -89,7 +89,7 @@ class Gemma3ForCausalLM(llama.LlamaForCausalLM):
         local = dataclasses.replace(
             self.config, rope_theta=self.config.local_rope_theta, rope_scaling=None
         )
-        cos, sin = rope_tables(local, max_positions, self.embed_tokens.weight.device)
+        cos, sin = rope_tables(local, max_positions, self.norm.weight.device)
         self.register_buffer("local_cos_cache", cos, persistent=False)
         self.register_buffer("local_sin_cache", sin, persistent=False)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from quill.model.gguf_config import (
 from quill.model.gguf_file import GGUFFile
 from quill.model.stored import StoredTensor
 from quill.ops import kquant
+from quill.ops.gguf_types import BLOCK32_TYPES, QUANT_BLOCK_BYTES
 
 # The metadata readers live in the torch-free gguf_config; re-exported for existing callers.
 __all__ = [
@@ -126,6 +128,9 @@ def gguf_stored_tensors(reader: GGUFFile, config: dict) -> dict[str, StoredTenso
     for t in reader.tensors:
         ggml_type = kquant.type_of(t.tensor_type.name)
         name = _hf_name(t.name, arch)
+        if t.name == "token_embd.weight" and ggml_type is None:
+            # A table in blocks of 32 is looked up as stored too (its products are int8 / int4).
+            ggml_type = BLOCK32_TYPES.get(t.tensor_type.name)
         if ggml_type is None or name is None or t.data.ndim != 2 or not name.endswith(".weight"):
             continue
         with warnings.catch_warnings():  # the map is read-only, and is only ever read
@@ -143,33 +148,53 @@ def gguf_stored_tensors(reader: GGUFFile, config: dict) -> dict[str, StoredTenso
     return out
 
 
-# How many bytes one block of 32 weights takes in each quantized type quill reads as stored.
-QUANT_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-
-
-def _decode_blocks(kind: str, data: np.ndarray) -> tuple[np.ndarray, ...]:
+def decode_blocks(kind: str, data: np.ndarray) -> tuple[torch.Tensor, ...]:
     """A tensor's raw blocks -> Q8_0: (codes int8, scales fp16); Q4_x: (codes 0..15, d, c)
     with w = d * code + c (Q4_1: c = m; Q4_0: c = -8 d), per row and block of 32."""
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(rows, -1, QUANT_BLOCK_BYTES[kind])
     d = blocks[..., :2].copy().view(np.float16)[..., 0]
     if kind == "Q8_0":
-        return blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), d
+        return torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)), (
+            torch.from_numpy(d)
+        )
     if kind == "Q4_1":
         c, packed = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
     else:
         c, packed = (-8 * d.astype(np.float32)).astype(np.float16), blocks[..., 2:]
     # Byte j holds element j (low nibble) and element j + 16 (high) of its block.
     codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
-    return codes.astype(np.uint8), d, c
+    return tuple(torch.from_numpy(x) for x in (codes, d, c))
 
 
-def gguf_quantized_blocks(reader: GGUFFile, config: dict) -> Iterator[tuple[str, str, tuple]]:
-    """Yields (Hugging Face name, "Q8_0" | "Q4_0" | "Q4_1", tensors from `_decode_blocks`) for
-    every tensor stored in one of those types: int8 and int4 weights take them as they are,
-    not re-quantized from the float copy (which rounded them once more, to the model's dtype)."""
+@dataclass
+class BlockTensor:
+    """A tensor of the file stored in Q8_0, Q4_0 or Q4_1, not yet read: `decode()` reads it
+    (rows in Hugging Face order) and `data` is its view of the map (to release after)."""
+
+    name: str  # Hugging Face name
+    kind: str
+    data: np.ndarray
+    heads: int | None  # Llama's q / k: the heads whose rotary rows the converter permuted
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def decode(self) -> tuple[torch.Tensor, ...]:
+        tensors = decode_blocks(self.kind, self.data)
+        if self.heads is None:
+            return tensors
+        return tuple(torch.from_numpy(_unpermute(x.numpy(), self.heads)) for x in tensors)
+
+
+def gguf_block_tensors(reader: GGUFFile, config: dict) -> list[BlockTensor]:
+    """Every tensor stored in Q8_0, Q4_0 or Q4_1, unread: int8 and int4 weights take their
+    blocks as they are, not re-quantized from a float copy (which rounded them once more, to
+    the model's dtype)."""
     arch = gguf_architecture(reader)
     layer_tensors = _GEMMA3_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+    out = []
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind not in QUANT_BLOCK_BYTES:
@@ -182,13 +207,14 @@ def gguf_quantized_blocks(reader: GGUFFile, config: dict) -> Iterator[tuple[str,
             if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer_tensors:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in GGUF file")
             name = f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{parts[3]}"
-        tensors = _decode_blocks(kind, t.data)
+        heads = None
         if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
-            heads = config[
+            kind_of_heads = (
                 "num_attention_heads" if parts[-2] == "attn_q" else "num_key_value_heads"
-            ]
-            tensors = tuple(_unpermute(x, heads) for x in tensors)
-        yield name, kind, tuple(torch.from_numpy(np.array(x)) for x in tensors)
+            )
+            heads = config[kind_of_heads]
+        out.append(BlockTensor(name, kind, t.data, heads))
+    return out
 
 
 def load_gguf_tokenizer(path: str | Path):

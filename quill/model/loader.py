@@ -18,8 +18,9 @@ import torch
 from quill.contract.errors import ModelLoadError
 from quill.model.config import ModelConfig
 from quill.model.llama import LlamaForCausalLM
+from quill.model.quant import pack_blocks
 from quill.model.registry import family
-from quill.model.stored import attach_stored, pack_tiles
+from quill.model.stored import StoredEmbedding, attach_stored, pack_tiles
 from quill.ops.library import available as library_available
 from quill.ops.library import cpu_flags
 
@@ -74,8 +75,8 @@ class LoadedModel:
     config: ModelConfig
     hf_config: dict
     source: Path  # the directory or GGUF file the weights came from
-    # Our parameter name -> (GGUF type, its blocks) where a GGUF file stored it whole in Q8_0,
-    # Q4_0 or Q4_1 (gguf_loader.gguf_quantized_blocks).
+    # Our parameter name -> (GGUF type, its blocks, decoded or already packed) where a GGUF file
+    # stored it whole in Q8_0, Q4_0 or Q4_1 (`_block_params`).
     blocks: dict[str, tuple[str, tuple[torch.Tensor, ...]]] = field(default_factory=dict)
     # The parameters whose weights are only in `blocks` (never dequantized: quantize_model
     # makes them from their blocks); their float tensors are left empty, untouched.
@@ -210,17 +211,17 @@ def load_model(
             views = {id(s.data): t.data for t in reader.tensors for s in stored.values()
                      if s.data.data_ptr() == t.data.ctypes.data}  # fmt: skip
             pack_tiles(model, lambda s: reader.release(views[id(s.data)]))
-        found = list(gguf_loader.gguf_quantized_blocks(reader, hf_config))
-        blocks = _block_params(found, model, config)
-        skip = set(taken)
-        if keep_stored and library_available():
-            # Q8_0 and Q4_x tensors become int8 / int4 weights from their blocks alone; the
-            # embedding table is the exception (its lookup reads floats).
-            unloaded = frozenset(p for p in blocks if p != "embed_tokens.weight")
-            target_of = family(config).weight_target
-            targets = {name: target_of(name, config) for name, _, _ in found}
-            skip |= {n for n, t in targets.items() if t is not None and t.param in unloaded}
-        del found
+        found = gguf_loader.gguf_block_tensors(reader, hf_config)
+        # Q8_0 and Q4_x tensors become int8 / int4 weights from their blocks alone (but an
+        # embedding table looked up in floats), packed one parameter at a time as they are
+        # read, the file's pages let go after each: the model's decoded blocks are never all
+        # held at once.
+        direct = keep_stored and library_available() and device.type == "cpu"
+        blocks = _block_params(found, model, config, reader.release if direct else None)
+        unloaded = frozenset(p for p in blocks if direct and _needs_no_floats(model, p))
+        target_of = family(config).weight_target
+        targets = {t.name: target_of(t.name, config) for t in found}
+        skip = set(taken) | {n for n, t in targets.items() if t is not None and t.param in unloaded}
         weights = gguf_loader.gguf_tensors(reader, hf_config, frozenset(skip))
         load_weights(model, weights, config, unloaded)
         # Every tensor not read in place has been copied (floats, blocks): its pages go.
@@ -256,29 +257,40 @@ def _read_config(path: Path, load_format: str) -> tuple[dict, object]:
     return json.loads((path / "config.json").read_text()), None
 
 
-def _block_params(blocks, model: LlamaForCausalLM, config: ModelConfig) -> dict:
-    """Quantized tensors assembled into our (merged) parameters; a parameter only partly in one
-    type (a file mixing types inside q/k/v) is left out, and gets quantized from its floats."""
-    params = dict(model.named_parameters())
+def _needs_no_floats(model: LlamaForCausalLM, param: str) -> bool:
+    """Whether `param` can be its blocks alone: all but an embedding table looked up in floats."""
+    return param != "embed_tokens.weight" or isinstance(model.embed_tokens, StoredEmbedding)
+
+
+def _block_params(found, model: LlamaForCausalLM, config: ModelConfig, release=None) -> dict:
+    """Our parameter name -> (GGUF type, its blocks) for each parameter whose rows are all
+    stored in one of Q8_0 / Q4_0 / Q4_1 (`found`: gguf_loader.BlockTensor), assembled across the
+    file's tensors (q/k/v, gate/up merged); a parameter only partly in one type (a file mixing
+    types inside q/k/v) is left out, and gets quantized from its floats. Decoded one parameter
+    at a time; with `release`, a parameter that needs no floats is packed for its product at
+    once, and its tensors' pages of the file let go (`release(data)`)."""
+    rows = {name: p.shape[0] for name, p in model.named_parameters()}
+    if isinstance(model.embed_tokens, StoredEmbedding) and model.lm_head is None:
+        rows["embed_tokens.weight"] = model.embed_tokens.table.rows  # the head's blocks
     target_of = family(config).weight_target
-    parts: dict[str, list] = {}
-    for name, kind, tensors in blocks:
-        target = target_of(name, config)
+    groups: dict[str, list] = {}
+    for tensor in found:
+        target = target_of(tensor.name, config)
         if target is not None:
-            parts.setdefault(target.param, []).append((target.offset, kind, tensors))
+            groups.setdefault(target.param, []).append((target.offset, tensor))
     out = {}
-    for param_name, pieces in parts.items():
-        kinds = {kind for _, kind, _ in pieces}
-        if (
-            len(kinds) != 1
-            or sum(t[0].shape[0] for _, _, t in pieces) != params[param_name].shape[0]
-        ):
+    for param, pieces in groups.items():
+        kinds = {tensor.kind for _, tensor in pieces}
+        if len(kinds) != 1 or sum(tensor.rows for _, tensor in pieces) != rows.get(param):
             continue
         pieces.sort(key=lambda piece: piece[0])
-        if len(pieces) == 1:  # no copy
-            merged = pieces[0][2]
-        else:
-            count = len(pieces[0][2])
-            merged = tuple(torch.cat([t[i] for _, _, t in pieces]) for i in range(count))
-        out[param_name] = (kinds.pop(), merged)
+        decoded = [tensor.decode() for _, tensor in pieces]
+        merged = decoded[0] if len(decoded) == 1 else tuple(map(torch.cat, zip(*decoded)))
+        del decoded
+        kind = kinds.pop()
+        if release is not None and _needs_no_floats(model, param):
+            merged = pack_blocks(kind, merged)
+            for _, tensor in pieces:
+                release(tensor.data)
+        out[param] = (kind, merged)
     return out

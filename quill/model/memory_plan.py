@@ -28,6 +28,10 @@ INT8_BYTES = 34 / 32  # a weight's bytes in quill's int8 copy (Q8_0 blocks)
 # `auto` keeps a float copy beside the int8 one (for large steps, where it is faster) only while
 # both together take at most this share of the memory available.
 COPIES_SHARE = 0.5
+# A float copy beside the products used as a GGUF file stores them (for large steps, where it
+# measured faster: quill/model/stored.py) only while it takes at most this share of the memory
+# available: a 270M model's 71 MB, never a 1B model's 2.4 GB (whose tiles are the faster).
+STORED_COPY_SHARE = 1 / 16
 
 
 @dataclass
@@ -114,12 +118,14 @@ def plan_memory(
     gguf = model_path.is_file() and load_format != "dummy"
     if gguf:
         from quill.model.gguf_file import GGUFFile
-        from quill.model.gguf_loader import QUANT_BLOCK_BYTES
         from quill.ops import gguf_types
+        from quill.ops.gguf_types import QUANT_BLOCK_BYTES
 
         in_place = keep_stored and device.type == "cpu"
         stored_types = set(gguf_types.NAMES.values()) if in_place else set()
-        for t in GGUFFile(model_path).tensors:
+        tensors = GGUFFile(model_path).tensors
+        tied = not any(t.name == "output.weight" for t in tensors)
+        for t in tensors:
             numel = 1
             for n in t.shape:
                 numel *= n
@@ -127,11 +133,11 @@ def plan_memory(
                 parts["used as stored"] += t.data.nbytes
                 continue
             # Q8_0 / Q4_x: int8 / int4 weights made from the blocks alone (about their bytes);
-            # the embedding table is looked up in floats (and a tied head made from its blocks).
+            # the embedding table is looked up where it lies (a tied head made from its blocks).
             if in_place and t.tensor_type.name in QUANT_BLOCK_BYTES and len(t.shape) == 2:
                 if t.name == "token_embd.weight":
-                    parts["floats"] += numel * dtype_bytes
-                    parts["int8 copies"] += t.data.nbytes
+                    parts["used as stored"] += t.data.nbytes
+                    parts["int8 copies"] += t.data.nbytes if tied else 0
                 else:
                     parts["repacked"] += t.data.nbytes
                 continue

@@ -37,12 +37,12 @@ class QuantizedLinear(nn.Module):
         linear: nn.Linear,
         method: str,
         max_rows: int | None = None,
-        stored: tuple[torch.Tensor, ...] | None = None,
+        stored: tuple[torch.Tensor, ...] | qlinear.PackedQ8 | qlinear.PackedQ4 | None = None,
         unloaded: bool = False,
     ) -> None:
         """stored: the blocks to take as they are (a GGUF file's): (codes, scales) for int8,
-        (codes, d, c) for int4. `unloaded`: the linear's float weight was never filled (the
-        blocks are all there is); no float copy is kept."""
+        (codes, d, c) for int4, or those already packed. `unloaded`: the linear's float weight
+        was never filled (the blocks are all there is); no float copy is kept."""
         super().__init__()
         if unloaded and (stored is None or max_rows is not None):
             raise ValueError("a weight loaded only as blocks needs its blocks and no float copy")
@@ -60,12 +60,12 @@ class QuantizedLinear(nn.Module):
         self.native = weight.device.type == "cpu" and library.load() is not None
         if method == "int8":
             blocks = qlinear.quantize_q8_0(weight) if stored is None else stored
-            self.q8 = qlinear.pack(*(t.to(weight.device) for t in blocks))
+            self.q8 = _packed(blocks, qlinear.PackedQ8, qlinear.pack, weight.device)
         elif method == "int4":
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}")
             blocks = qlinear.quantize_q4_1(weight) if stored is None else stored
-            self.q4 = qlinear.pack_q4(*(t.to(weight.device) for t in blocks))
+            self.q4 = _packed(blocks, qlinear.PackedQ4, qlinear.pack_q4, weight.device)
         else:
             raise ValueError(f"unknown quantization {method!r}")
 
@@ -87,6 +87,19 @@ class QuantizedLinear(nn.Module):
         if self._fallback is None or self._fallback.dtype != x.dtype:
             self._fallback = self.dequantized().to(x.device, x.dtype)
         return F.linear(x, self._fallback, self.bias)
+
+
+def _packed(blocks, kind: type, pack, device: torch.device):
+    """`blocks` packed (already, or now) for the kernel, on `device`."""
+    if isinstance(blocks, kind):
+        return blocks
+    return pack(*(t.to(device) for t in blocks))
+
+
+def pack_blocks(kind: str, tensors: tuple[torch.Tensor, ...]):
+    """A GGUF file's decoded Q8_0 / Q4_x blocks (quill/model/gguf_loader.py) in the layout of
+    the product they become: int8 for Q8_0, int4 for Q4_0 and Q4_1."""
+    return qlinear.pack(*tensors) if _METHOD_OF[kind] == "int8" else qlinear.pack_q4(*tensors)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -138,12 +151,18 @@ def quantize_model(
     for i, layer in enumerate(model.layers):
         for parent, name, linear in _linears(layer):
             setattr(parent, name, make(linear, f"layers.{i}.{name}.weight", method))
+    embed = model.embed_tokens
     if "lm_head.weight" in unloaded:
         model.lm_head = make(model.lm_head, "lm_head.weight", None)
+    elif model.lm_head is None and not isinstance(embed, nn.Embedding):
+        # Tied to a table looked up where it lies (quill/model/stored.py) in blocks of 32: the
+        # head is made from its blocks alone, whatever `head` and `method` say.
+        linear = nn.Linear(embed.embedding_dim, embed.table.rows, bias=False, device="meta")
+        model.lm_head = make(linear, "embed_tokens.weight", None)
     elif head and isinstance(model.lm_head, nn.Linear | None):  # not a stored head
         linear, name = model.lm_head, "lm_head.weight"
         if linear is None:
-            table = model.embed_tokens.weight
+            table = embed.weight
             linear = nn.Linear(table.shape[1], table.shape[0], bias=False, device="meta")
             linear.weight = table
             name = "embed_tokens.weight"

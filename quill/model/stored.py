@@ -24,9 +24,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from quill.ops import kquant
+from quill.ops import kquant, qlinear
+from quill.ops.gguf_types import BLOCK32_BYTES, BLOCK32_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,14 @@ class StoredTensor:
 
     @property
     def type_name(self) -> str:
-        return kquant.NAMES[self.ggml_type]
+        return _TYPE_NAMES[self.ggml_type]
+
+    @property
+    def is_kquant(self) -> bool:
+        return self.ggml_type in kquant.NAMES
+
+
+_TYPE_NAMES = {**kquant.NAMES, **{t: name for name, t in BLOCK32_TYPES.items()}}
 
 
 class StoredLinear(nn.Module):
@@ -72,12 +81,31 @@ class StoredLinear(nn.Module):
         self.out_features = sum(s.rows for s in segments)
         self.bias = bias
         self._fallbacks: list[torch.Tensor | None] = [None] * len(segments)
+        # A float copy for steps of more than `max_rows` rows, where it measured faster
+        # (`keep_float_copies`); None: every step reads the stored rows.
+        self.float_weight: torch.Tensor | None = None
+        self.max_rows: int | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weight [out_features, in_features] the stored rows stand for."""
+        parts = []
+        for s in self.segments:
+            w = kquant.dequantize(s.data, s.ggml_type)
+            if s.row_map is not None:  # file row i is output row row_map[i]
+                placed = torch.empty_like(w)
+                placed[s.row_map.long()] = w
+                w = placed
+            parts.append(w.to(dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        if self.float_weight is not None and x.shape[0] > self.max_rows:
+            whole = F.linear(x, self.float_weight, self.bias)
+            return whole if self.parts is None else list(whole.split(self.parts, -1))
         outputs, offset = [], 0
         native = kquant.native_available(x)
         for i, s in enumerate(self.segments):
@@ -105,16 +133,27 @@ class StoredLinear(nn.Module):
 
 
 class StoredEmbedding(nn.Module):
-    """An embedding table as stored: a lookup dequantizes the rows it reads."""
+    """An embedding table as stored (a K-quant, or Q8_0 / Q4_x): a lookup dequantizes the rows
+    it reads."""
 
     def __init__(self, table: StoredTensor, dtype: torch.dtype) -> None:
         super().__init__()
         self.table = table
         self.dtype = dtype
-        self.embedding_dim = kquant.in_features(table.data, table.ggml_type)
+        per_row = table.data.shape[1]
+        if table.is_kquant:
+            self.embedding_dim = kquant.in_features(table.data, table.ggml_type)
+        else:
+            self.embedding_dim = per_row // BLOCK32_BYTES[table.ggml_type] * qlinear.BLOCK
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = kquant.kquant_rows(self.table.data, self.table.ggml_type, ids.cpu(), self.dtype)
+        t = self.table
+        if t.is_kquant:
+            out = kquant.kquant_rows(t.data, t.ggml_type, ids.cpu(), self.dtype)
+        else:
+            flat = ids.cpu().reshape(-1)
+            out = qlinear.dequantize_rows(t.data, t.ggml_type, flat, self.dtype)
+            out = out.reshape(*ids.shape, -1)
         return out.to(ids.device)
 
 
@@ -156,8 +195,13 @@ def attach_stored(model: nn.Module, stored: dict[str, StoredTensor], config, dty
         setattr(parent, attr, StoredLinear(module.in_features, segments, parts, module.bias))
         taken.update(p[1] for p in pieces)
     embed = getattr(model, "embed_tokens", None)
-    if isinstance(embed, StoredEmbedding) and getattr(model, "lm_head", 0) is None:
-        # Tied: the stored table is the output head as well.
+    if (
+        isinstance(embed, StoredEmbedding)
+        and embed.table.is_kquant
+        and getattr(model, "lm_head", 0) is None
+    ):
+        # Tied: the stored table is the output head as well (a table in blocks of 32 gets an
+        # int8 head made from its blocks instead: quill/model/quant.py).
         model.lm_head = StoredLinear(embed.embedding_dim, [embed.table])
     return taken
 
@@ -203,3 +247,62 @@ def pack_tiles(model: nn.Module, release=None) -> int:
             bar.update(s.nbytes)
     log.info("weights: repacked in %.1f s", time.perf_counter() - start)
     return made
+
+
+@torch.inference_mode()
+def keep_float_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> tuple[int, int]:
+    """Measure one layer's stored products against their float copies at 1 to 512 rows, here,
+    and where the copies are faster from some row count on (for every larger count measured),
+    give every stored product of the layers a float copy for steps above the row count before
+    it, if all the copies together take at most `budget` bytes. The tiles run narrow products
+    (a 270M model's 640 rows) at a third of their rate on wide ones, where bf16's matrix product
+    wins from a few dozen rows. Returns (that max_rows or -1 for none, the copies' bytes)."""
+    stored = [m for layer in model.layers for m in layer.modules() if isinstance(m, StoredLinear)]
+    if not stored:
+        return -1, 0
+    size = torch.tensor([], dtype=dtype).element_size()
+    nbytes = sum(m.in_features * m.out_features for m in stored) * size
+    if nbytes > budget:
+        log.info(
+            "weights: no float copy of the stored products for large steps: it would take "
+            "%.2f GiB, more than the %.2f GiB allowed",
+            nbytes / (1 << 30),
+            budget / (1 << 30),
+        )
+        return -1, 0
+    from quill.model.linear import best_time
+
+    layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
+    copies = [m.dequantized(dtype) for m in layer]
+    faster, timings = [], []
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        inputs = [torch.randn(rows, m.in_features, dtype=dtype) for m in layer]
+
+        def run_stored(inputs=inputs):
+            for m, x in zip(layer, inputs):
+                m(x)
+
+        def run_float(inputs=inputs):
+            for w, x in zip(copies, inputs):
+                F.linear(x, w)
+
+        t_stored, t_float = best_time(run_stored), best_time(run_float)
+        timings.append(f"{rows}: {1e3 * t_stored:.2f}/{1e3 * t_float:.2f} ms")
+        faster.append((rows, t_float < t_stored))
+    log.info("weights: one layer's stored/float products by rows %s", ", ".join(timings))
+    max_rows = -1
+    for i in range(len(faster)):
+        if all(win for _, win in faster[i:]):
+            max_rows = faster[i - 1][0] if i else 0
+            break
+    if max_rows < 0:
+        return -1, 0
+    for m in stored:
+        m.float_weight, m.max_rows = m.dequantized(dtype), max_rows
+    log.info(
+        "weights: float copies of the stored products (%.2f GiB) for steps of more than %d "
+        "tokens, where they measured faster",
+        nbytes / (1 << 30),
+        max_rows,
+    )
+    return max_rows, nbytes

@@ -28,6 +28,9 @@ from quill.ops.library import (
     runnable_isas,
 )
 
+# Libraries kept per torch and instruction set, this build's included.
+KEPT_BUILDS = 4
+
 
 def _compile(isa: str, verbose: bool) -> Path:
     """Compiles one library in this process (which then has it loaded)."""
@@ -51,11 +54,13 @@ def _compile(isa: str, verbose: bool) -> Path:
     )
     os.replace(work / f"quill_{isa}.so", target)
     shutil.rmtree(work, ignore_errors=True)
-    # Builds of earlier sources for this torch and instruction set are never loaded again.
+    # Builds of earlier sources for this torch and instruction set are kept a while, the newest
+    # few: another checkout on this machine (a worktree, an older version) may still load one.
     prefix = target.parent.name.rsplit("-", 1)[0] + "-"
-    for old in target.parent.parent.glob(prefix + "*"):
-        if old != target.parent:
-            shutil.rmtree(old, ignore_errors=True)
+    others = [p for p in target.parent.parent.glob(prefix + "*") if p != target.parent]
+    others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in others[KEPT_BUILDS - 1 :]:
+        shutil.rmtree(old, ignore_errors=True)
     return target
 
 

@@ -12,6 +12,13 @@ NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
 SUPER = 256  # weights per super-block
 
+# Blocks of 32 weights, an fp16 scale each (Q4_1 an fp16 minimum too): the types whose
+# tensors become quill's int8 / int4 products (quill/model/quant.py), bytes a block.
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+BLOCK32_TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+BLOCK32_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+QUANT_BLOCK_BYTES = {name: BLOCK32_BYTES[t] for name, t in BLOCK32_TYPES.items()}  # by name
+
 
 def type_of(name: str) -> int | None:
     """GGML's number for a type name ("Q4_K"), None for a type read otherwise."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from quill.ops import memory
+from quill.ops.gguf_types import BLOCK32_BYTES, Q4_1, Q8_0
 
 BLOCK = 32
 TILE = 16
@@ -243,3 +244,28 @@ def native_q4_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     return _native(torch.ops.quill.q4_linear, x, packed, packed.offsets, bias, out_dtype)
+
+
+# -- Rows of a GGUF table stored in blocks of 32 (an embedding looked up where it lies).
+
+
+def dequantize_rows(
+    weight: torch.Tensor, ggml_type: int, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The rows `ids` of a Q8_0 / Q4_0 / Q4_1 tensor as the file stores it (uint8 [N, bytes per
+    row]) -> [len(ids), K] in `dtype`: w = d * code (Q8_0), d * (code - 8) (Q4_0), d * code + m
+    (Q4_1), computed in fp32 as the gguf package computes them."""
+    rows = weight[ids.long()]
+    blocks = rows.view(rows.shape[0], -1, BLOCK32_BYTES[ggml_type])
+    d = blocks[..., :2].contiguous().view(torch.float16).float()
+    if ggml_type == Q8_0:
+        w = d * blocks[..., 2:].contiguous().view(torch.int8).float()
+    else:
+        packed = blocks[..., 4:] if ggml_type == Q4_1 else blocks[..., 2:]
+        # Byte j holds element j (low nibble) and element j + 16 (high) of its block.
+        codes = torch.cat([packed & 0x0F, packed >> 4], -1).float()
+        if ggml_type == Q4_1:
+            w = d * codes + blocks[..., 2:4].contiguous().view(torch.float16).float()
+        else:
+            w = d * (codes - 8)
+    return w.reshape(rows.shape[0], -1).to(dtype)
