@@ -4,9 +4,11 @@
 // half to even, as llama.cpp's Q8_K), with their sums over every 16 and 32 values.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -61,45 +63,68 @@ struct Activations {
   const int8_t* row(int64_t m) const { return codes.data() + m * k; }
 };
 
-// `order`: where each 32-value sub-block of a super-block is kept (null: in order).
+// 16 whole numbers within int8 (kWidth-wide vectors, rounded) stored as int8 codes at dst, in
+// order; returns their sum.
+inline int store_codes16(const vfloat* v, int8_t* dst) {
+#if defined(QUILL_AVX512)
+  const __m512i i = _mm512_cvtps_epi32(v[0]);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(i));
+  return _mm512_reduce_add_epi32(i);
+#else
+  const __m256i i0 = _mm256_cvtps_epi32(v[0]), i1 = _mm256_cvtps_epi32(v[1]);
+  // packs interleaves the 128-bit lanes (i0 0-3, i1 0-3, i0 4-7, i1 4-7): put them in order.
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  const __m256i s = _mm256_add_epi32(i0, i1);
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return _mm_cvtsi128_si32(h);
+#endif
+}
+
+// `order`: where each 32-value sub-block of a super-block is kept (null: in order). Rows are
+// quantized in parallel, 16 values a step in vectors: a prompt chunk's activations are megabytes
+// (512 x 2,048 values into a 640-row product took longer than the product itself, scalar).
 template <typename T>
 void quantize(const T* x, int64_t rows, int64_t k, int64_t stride, const int* order,
               Activations& out) {
+  static_assert(16 % kWidth == 0, "a group of 16 values is whole vectors");
   const int64_t supers = k / kSuper;
   out.k = k;
   out.codes.resize(rows * k);
   out.scales.resize(rows * supers);
   out.sums16.resize(rows * k / 16);
   out.sums32.resize(rows * k / 32);
-  for (int64_t m = 0; m < rows; ++m) {
-    const T* row = x + m * stride;
-    for (int64_t s = 0; s < supers; ++s) {
-      const T* src = row + s * kSuper;
-      vfloat amax = vzero();
-      for (int i = 0; i < kSuper; i += kWidth) {
-        vfloat v = vload(src + i);
-        amax = vmax(amax, vmax(v, vsub(vzero(), v)));
-      }
-      const float scale = vhmax(amax) / 127.0f;
-      const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-      out.scales[m * supers + s] = scale;
-      int8_t* dst = out.codes.data() + m * k + s * kSuper;
-      int16_t* sums = out.sums16.data() + (m * k + s * kSuper) / 16;
-      for (int g = 0; g < kSuper / 16; ++g) {
-        int sum = 0;
-        const int at = order ? order[g / 2] * 32 + (g % 2) * 16 : g * 16;
-        for (int i = 0; i < 16; ++i) {
-          // nearbyint: round half to even, as torch.round in the reference.
-          const int q = int(std::nearbyint(to_float(src[g * 16 + i]) * inverse));
-          dst[at + i] = int8_t(q);
-          sum += q;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* row = x + m * stride;
+      for (int64_t s = 0; s < supers; ++s) {
+        const T* src = row + s * kSuper;
+        vfloat amax = vzero();
+        for (int i = 0; i < kSuper; i += kWidth) {
+          vfloat v = vload(src + i);
+          amax = vmax(amax, vmax(v, vsub(vzero(), v)));
         }
-        sums[g] = int16_t(sum);
+        const float scale = vhmax(amax) / 127.0f;
+        const vfloat inverse = vset(scale > 0.0f ? 1.0f / scale : 0.0f);
+        out.scales[m * supers + s] = scale;
+        int8_t* dst = out.codes.data() + m * k + s * kSuper;
+        int16_t* sums = out.sums16.data() + (m * k + s * kSuper) / 16;
+        for (int g = 0; g < kSuper / 16; ++g) {
+          const int at = order ? order[g / 2] * 32 + (g % 2) * 16 : g * 16;
+          vfloat v[16 / kWidth];
+          // Round half to even (the default rounding mode), as torch.round in the reference.
+          for (int i = 0; i < 16 / kWidth; ++i) v[i] = vround(vmul(vload(src + g * 16 + i * kWidth), inverse));
+          sums[g] = int16_t(store_codes16(v, dst + at));
+        }
+        int16_t* sums32 = out.sums32.data() + (m * k + s * kSuper) / 32;
+        for (int j = 0; j < kSuper / 32; ++j) sums32[j] = int16_t(sums[2 * j] + sums[2 * j + 1]);
       }
-      int16_t* sums32 = out.sums32.data() + (m * k + s * kSuper) / 32;
-      for (int j = 0; j < kSuper / 32; ++j) sums32[j] = int16_t(sums[2 * j] + sums[2 * j + 1]);
     }
-  }
+  });
 }
 
 // An op's input x ([rows, k], rows contiguous; float32, bf16 or fp16) quantized into `act`.

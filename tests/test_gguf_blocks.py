@@ -15,7 +15,7 @@ import torch
 from quill import LLM, SamplingParams
 from quill.model.quant import QuantizedLinear, quantize_model
 from quill.ops import qlinear
-from tests.conftest import PROMPTS
+from tests.conftest import NATIVE, PROMPTS
 
 
 def _write_q8_0(src, dst) -> None:
@@ -242,6 +242,10 @@ def test_auto_looks_the_q8_0_table_up_where_it_lies(q8_0_gguf, float_llm):
     head_codes, _ = model.lm_head.q8.unpack()
     embd_codes, _ = _file_blocks(q8_0_gguf, "token_embd.weight")
     assert torch.equal(head_codes, torch.from_numpy(embd_codes))
+    # ... multiplied by the native kernel, never by a dequantized float copy of the table.
+    assert model.lm_head.native == (NATIVE is not None)
+    auto.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert model.lm_head._fallback is None or NATIVE is None
 
 
 def test_a_q8_0_file_loads_in_about_its_own_size(q8_0_gguf):

@@ -118,7 +118,7 @@ def test_native_product_matches_the_references(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ggml_type=st.sampled_from(TYPES),
-    rows=st.integers(1, 64),
+    rows=st.integers(1, 130),  # past the activation quantizer's parallel grain (csrc/kquant.h)
     n=st.integers(1, 150),  # partial tiles (16 rows) and groups of tiles (64)
     supers=st.integers(1, 3),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),

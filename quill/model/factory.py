@@ -24,13 +24,9 @@ from quill.model.loader import (
     resolve_dtype,
     resolve_kv_cache_dtype,
 )
-from quill.model.memory_plan import (
-    COPIES_SHARE,
-    STORED_COPY_SHARE,
-    available_memory,
-    return_freed_memory,
-)
+from quill.model.memory_plan import COPIES_SHARE, STORED_COPY_SHARE, available_memory
 from quill.model.runner import ModelRunner
+from quill.ops.memory import return_freed_memory
 
 log = logging.getLogger(__name__)
 

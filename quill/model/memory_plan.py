@@ -73,19 +73,6 @@ class MemoryPlan:
             )
 
 
-def return_freed_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim): loading frees
-    gigabytes of decoded copies in pieces too small for their pages to go back by themselves
-    (a Q8_0 1B file: 1.5 GB held after loading without this)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: its allocator decides
-
-
 def available_memory(device) -> int:
     if device.type == "cuda":
         import torch

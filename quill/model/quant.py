@@ -57,15 +57,18 @@ class QuantizedLinear(nn.Module):
         self.float_weight = linear.weight.detach() if max_rows is not None else None
         # The dequantized weight, made on first use where the native kernel cannot run.
         self._fallback: torch.Tensor | None = None
-        self.native = weight.device.type == "cpu" and library.load() is not None
+        # A weight loaded only as blocks may have no storage at all (a head tied to a table
+        # looked up where it lies is built on the meta device): its blocks say where it is.
+        device = torch.device("cpu") if weight.device.type == "meta" else weight.device
+        self.native = device.type == "cpu" and library.load() is not None
         if method == "int8":
             blocks = qlinear.quantize_q8_0(weight) if stored is None else stored
-            self.q8 = _packed(blocks, qlinear.PackedQ8, qlinear.pack, weight.device)
+            self.q8 = _packed(blocks, qlinear.PackedQ8, qlinear.pack, device)
         elif method == "int4":
             if self.in_features % INT4_GROUP:
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}")
             blocks = qlinear.quantize_q4_1(weight) if stored is None else stored
-            self.q4 = _packed(blocks, qlinear.PackedQ4, qlinear.pack_q4, weight.device)
+            self.q4 = _packed(blocks, qlinear.PackedQ4, qlinear.pack_q4, device)
         else:
             raise ValueError(f"unknown quantization {method!r}")
 

@@ -73,7 +73,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> PackedQ8:
     pad = -out_features % TILE
     # -128 is never written by Q8_0's quantizer (round(x / (max|x| / 127))); the one-row kernel
     # negates codes (csrc/qlinear.cpp), which -128 would overflow, so it is read as -127.
-    codes = torch.nn.functional.pad(codes.clamp(min=-127), (0, 0, 0, pad))
+    codes = codes.clamp(min=-127)
+    if pad:  # (a copy of the whole weight: not made when the rows fill their tiles)
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
     scales = torch.nn.functional.pad(scales.to(torch.float16), (0, 0, 0, pad))
     n, blocks = out_features + pad, k // BLOCK
     tiled = codes.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
@@ -85,26 +87,36 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> PackedQ8:
     return PackedQ8(tiled.contiguous(), per_tile(scales), per_tile(sums), out_features)
 
 
-def move_to_huge_pages(packs: list) -> None:
-    """Put the codes of these weights (PackedQ8, PackedQ4), in order, in one tensor on huge
-    pages (CPU).
+def move_to_huge_pages(packs: list, arena_bytes: int = 256 << 20) -> None:
+    """Put the codes of these weights (PackedQ8, PackedQ4), in order, on huge pages (CPU), in
+    arenas of about `arena_bytes`.
 
     A step reads every weight once, a few hundred KB per product, and on this kind of VM a read
     on 4 KiB pages pays a two-level page walk per page: the products of a decode step ran
-    4-15% faster with their codes on 2 MiB pages (quill/ops/memory.py).
+    4-15% faster with their codes on 2 MiB pages (quill/ops/memory.py). An arena's pages are
+    all written when it is made, so one arena for a whole model held every code twice at once
+    (a Q8_0 1B model's peak: 3.2 GB for 1.3 GB of codes); arena by arena, the codes moved are
+    let go before the next is made.
     """
     packs = [p for p in packs if p.codes.device.type == "cpu"]
-    if not packs:
-        return
-    total = sum(p.codes.numel() for p in packs)
-    arena = memory.zeros((total,), torch.uint8, torch.device("cpu"))
-    offset = 0
-    for p in packs:
-        n = p.codes.numel()
-        codes = arena[offset : offset + n].view(p.codes.dtype).view(p.codes.shape)
-        codes.copy_(p.codes)
-        p.codes = codes
-        offset += n
+    start = 0
+    while start < len(packs):
+        end, total = start, 0
+        while end < len(packs) and (
+            end == start or total + packs[end].codes.numel() <= arena_bytes
+        ):
+            total += packs[end].codes.numel()
+            end += 1
+        arena = memory.zeros((total,), torch.uint8, torch.device("cpu"))
+        offset = 0
+        for p in packs[start:end]:
+            n = p.codes.numel()
+            codes = arena[offset : offset + n].view(p.codes.dtype).view(p.codes.shape)
+            codes.copy_(p.codes)
+            p.codes = codes
+            offset += n
+        memory.return_freed_memory()
+        start = end
 
 
 def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
