@@ -84,6 +84,32 @@ def best_time(fn, repeats: int = 5) -> float:
     return best
 
 
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def time_by_rows(first: list, second: list, widths: list[int], dtype, stop=None) -> list:
+    """Two ways of computing one layer's products (callables x -> y, one per input width in
+    `widths`) timed over the same random inputs at each of ROW_COUNTS rows, until
+    `stop(t_first, t_second)` holds. Returns [(rows, t_first, t_second)]."""
+    results = []
+    for rows in ROW_COUNTS:
+        inputs = [torch.randn(rows, width, dtype=dtype) for width in widths]
+
+        def run(products, inputs=inputs):
+            for product, x in zip(products, inputs):
+                product(x)
+
+        t_first, t_second = best_time(lambda: run(first)), best_time(lambda: run(second))
+        results.append((rows, t_first, t_second))
+        if stop is not None and stop(t_first, t_second):
+            break
+    return results
+
+
+def describe_timings(results: list) -> str:
+    return ", ".join(f"{rows}: {1e3 * a:.2f}/{1e3 * b:.2f} ms" for rows, a, b in results)
+
+
 @torch.inference_mode()
 def choose_native_rows(model: nn.Module) -> int:
     """Measure one layer's float products natively and through `F.linear` at 1 to 64 rows, here,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quill.model.linear import best_time, forget_native_weights
+from quill.model.linear import describe_timings, forget_native_weights, time_by_rows
 from quill.ops import library, qlinear
 
 log = logging.getLogger(__name__)
@@ -195,25 +195,11 @@ def choose_quantization(model: nn.Module, device: torch.device) -> tuple[str, in
         return "none", None
     quantized = [QuantizedLinear(lin, "int8") for lin in layer_linears]
     dtype = layer_linears[0].weight.dtype
-    max_rows = None
-    timings = []
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-        inputs = [torch.randn(rows, lin.in_features, dtype=dtype) for lin in layer_linears]
-
-        def run_float(inputs=inputs):
-            for lin, x in zip(layer_linears, inputs):
-                lin(x)
-
-        def run_int8(inputs=inputs):
-            for lin, x in zip(quantized, inputs):
-                lin(x)
-
-        t_float, t_int8 = best_time(run_float), best_time(run_int8)
-        timings.append(f"{rows}: {1e3 * t_float:.2f}/{1e3 * t_int8:.2f} ms")
-        if t_int8 >= t_float:
-            break
-        max_rows = rows
-    log.info("quantization auto: one layer float/int8 by rows %s", ", ".join(timings))
+    widths = [lin.in_features for lin in layer_linears]
+    results = time_by_rows(layer_linears, quantized, widths, dtype, lambda f, q: q >= f)
+    faster = [rows for rows, t_float, t_int8 in results if t_int8 < t_float]
+    max_rows = faster[-1] if faster else None
+    log.info("quantization auto: one layer float/int8 by rows %s", describe_timings(results))
     if max_rows is None:
         return "none", None
     return "int8", max_rows

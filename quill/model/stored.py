@@ -270,26 +270,13 @@ def keep_float_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> tupl
             budget / (1 << 30),
         )
         return -1, 0
-    from quill.model.linear import best_time
+    from quill.model.linear import describe_timings, time_by_rows
 
     layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
-    copies = [m.dequantized(dtype) for m in layer]
-    faster, timings = [], []
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
-        inputs = [torch.randn(rows, m.in_features, dtype=dtype) for m in layer]
-
-        def run_stored(inputs=inputs):
-            for m, x in zip(layer, inputs):
-                m(x)
-
-        def run_float(inputs=inputs):
-            for w, x in zip(copies, inputs):
-                F.linear(x, w)
-
-        t_stored, t_float = best_time(run_stored), best_time(run_float)
-        timings.append(f"{rows}: {1e3 * t_stored:.2f}/{1e3 * t_float:.2f} ms")
-        faster.append((rows, t_float < t_stored))
-    log.info("weights: one layer's stored/float products by rows %s", ", ".join(timings))
+    copies = [lambda x, w=m.dequantized(dtype): F.linear(x, w) for m in layer]
+    results = time_by_rows(layer, copies, [m.in_features for m in layer], dtype)
+    log.info("weights: one layer's stored/float products by rows %s", describe_timings(results))
+    faster = [(rows, t_float < t_stored) for rows, t_stored, t_float in results]
     max_rows = -1
     for i in range(len(faster)):
         if all(win for _, win in faster[i:]):
