@@ -182,14 +182,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
               weight.sizes());
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.size(1) == k, op, ": x has ", k, " inputs, the weight ", weight.size(1));
-  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": out_dtype ", dtype, " is not supported");
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, not ", n);
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::ScalarType dtype = output_dtype(x, out_dtype, op);
+  const at::Tensor bias_f = float_bias(bias, n, op);
   at::Tensor out = at::empty({rows, n}, x.options().dtype(dtype));
   if (rows == 0 || n == 0) return out;
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;

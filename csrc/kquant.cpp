@@ -79,19 +79,7 @@ inline __m256i madd_acc(__m256i acc, __m256i p, __m256i s) {
 #endif
 }
 
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float hsum(__m256 v) { return hsum4(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))); }
 
 // One weight row (`supers` super-blocks) against R activation rows from `m0`: out[r].
 template <int64_t Type, int R>
@@ -335,9 +323,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0), supers = k / kSuper;
   TORCH_CHECK(k % kSuper == 0 && weight.size(1) == supers * bytes, op, ": x has ", k,
               " inputs; a row of ", weight.size(1), " bytes holds ", weight.size(1) / bytes * kSuper);
-  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": out_dtype ", dtype, " is not supported");
+  const at::ScalarType dtype = output_dtype(x, out_dtype, op);
   const int32_t* map = nullptr;
   at::Tensor map_c;
   if (row_map.has_value() && row_map->defined()) {
@@ -345,11 +331,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
     TORCH_CHECK(map_c.numel() == n, op, ": row_map has ", map_c.numel(), " entries, not ", n);
     map = map_c.data_ptr<int32_t>();
   }
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, not ", n);
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = float_bias(bias, n, op);
   const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({rows, n}, x.options().dtype(dtype));
   if (rows == 0 || n == 0) return out;

@@ -514,14 +514,8 @@ at::Tensor kquant_tile_linear(const at::Tensor& x, const at::Tensor& tiles, int6
   const int64_t n_tiles = (out_features + kTile - 1) / kTile;
   TORCH_CHECK(out_features > 0 && (n_tiles + kGroup - 1) / kGroup == groups, op,
               ": ", groups, " groups of tiles do not hold ", out_features, " rows");
-  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": out_dtype ", dtype, " is not supported");
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == out_features, op, ": bias has ", bias->numel(), " elements, not ", out_features);
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::ScalarType dtype = output_dtype(x, out_dtype, op);
+  const at::Tensor bias_f = float_bias(bias, out_features, op);
   const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({rows, out_features}, x.options().dtype(dtype));
   if (rows == 0) return out;

@@ -1,4 +1,5 @@
-// quill's native ops, registered with torch.library under the `quill` namespace.
+// quill's native ops, registered with torch.library under the `quill` namespace, and the
+// checks the products share.
 //
 // Schemas mark the caches the ops write (`Tensor(a!)`), so torch.compile and functionalization
 // see the mutation; the fake (meta) kernels live in quill/ops/fake.py.
@@ -7,6 +8,19 @@
 #include "ops.h"
 
 namespace quill {
+
+at::ScalarType output_dtype(const at::Tensor& x, std::optional<at::ScalarType> out_dtype, const char* op) {
+  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": out_dtype ", dtype, " is not supported");
+  return dtype;
+}
+
+at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, not ", n);
+  return bias->to(at::kFloat).contiguous();
+}
 
 std::string isa() {
 #if defined(QUILL_AVX512)

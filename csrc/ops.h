@@ -9,6 +9,11 @@
 
 namespace quill {
 
+// What the products check alike: the output's dtype (out_dtype, else x's: float32, bf16 or
+// fp16), and an optional bias of n elements as contiguous float32 (undefined when absent).
+at::ScalarType output_dtype(const at::Tensor& x, std::optional<at::ScalarType> out_dtype, const char* op);
+at::Tensor float_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* op);
+
 // The caches are one layer's, in cache_layout.h's layout (fp32, fp16 or bf16, whatever the
 // model's dtype).
 

@@ -338,14 +338,8 @@ at::Tensor quantized_linear(const char* op, const at::Tensor& x, const uint8_t* 
                             std::optional<at::ScalarType> out_dtype) {
   const int64_t rows = x.size(0), k = x.size(1), n = tiles * kTile, blocks = k / kBlock;
   TORCH_CHECK(x.stride(1) == 1, op, ": x's rows must be contiguous");
-  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
-              ": out_dtype ", dtype, " is not supported");
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, op, ": bias has ", bias->numel(), " elements, not ", n);
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::ScalarType dtype = output_dtype(x, out_dtype, op);
+  const at::Tensor bias_f = float_bias(bias, n, op);
   const float* bias_p = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({rows, n}, x.options().dtype(dtype));
   if (rows == 0) return out;
