@@ -211,3 +211,32 @@ def run_native_tests_with_avx2(test_file: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
+
+
+def load_in_fresh_process(path) -> dict:
+    """`LLM(path, dtype="float32", kv_cache_memory=8 MiB)` in a fresh interpreter:
+    RSS after loading and its peak while loading (VmHWM: `ru_maxrss` carries the forking
+    parent's peak across exec), both over the RSS before, and the bytes of the model's float
+    parameters."""
+    import json
+    import subprocess
+    import sys
+
+    script = f"""
+import json
+from quill import LLM
+from quill.ops import library
+library.load()
+def rss():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096
+before = rss()
+llm = LLM({str(path)!r}, dtype="float32", kv_cache_memory=8 << 20)
+model = llm.engine.runner.model
+floats = sum(p.numel() * p.element_size() for p in model.parameters())
+peak = int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024
+print(json.dumps({{"delta": rss() - before, "peak": peak - before, "floats": floats}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

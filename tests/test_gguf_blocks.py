@@ -15,7 +15,7 @@ import torch
 from quill import LLM, SamplingParams
 from quill.model.quant import QuantizedLinear, quantize_model
 from quill.ops import qlinear
-from tests.conftest import NATIVE, PROMPTS
+from tests.conftest import NATIVE, PROMPTS, load_in_fresh_process
 
 
 def _write_q8_0(src, dst) -> None:
@@ -252,31 +252,7 @@ def test_a_q8_0_file_loads_in_about_its_own_size(q8_0_gguf):
     """RSS in a fresh process, against before loading: after loading, and at its peak while
     loading, at most the file's size, the floats quill makes (norms), the KV pool and 300 MB
     (measured 2026-12-06: the engine's working buffers take ~190 MB after the weights, for
-    any model; the decoded blocks are one parameter's at a time). The peak is the process's
-    VmHWM (`ru_maxrss` carries the forking parent's peak across exec)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    script = f"""
-import json, torch
-from quill import LLM
-from quill.ops import library
-library.load()
-def rss():
-    return int(open('/proc/self/statm').read().split()[1]) * 4096
-before = rss()
-llm = LLM({str(q8_0_gguf)!r}, dtype="float32", kv_cache_memory=8 << 20)
-model = llm.engine.runner.model
-floats = sum(p.numel() * p.element_size() for p in model.parameters())
-status = open('/proc/self/status').read()
-peak = int(status.split('VmHWM:')[1].split()[0]) * 1024
-print(json.dumps({{"delta": rss() - before, "peak": peak - before, "floats": floats}}))
-"""
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=dict(os.environ), timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    any model; the decoded blocks are one parameter's at a time)."""
+    figures = load_in_fresh_process(q8_0_gguf)
     allowed = q8_0_gguf.stat().st_size + figures["floats"] + (8 << 20) + (300 << 20)
     assert figures["delta"] <= allowed and figures["peak"] <= allowed, (figures, allowed)

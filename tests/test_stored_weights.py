@@ -17,10 +17,6 @@ transformers' exactly.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +25,7 @@ import torch
 from quill import LLM, SamplingParams
 from quill.model.stored import StoredEmbedding, StoredLinear, tiled_types
 from quill.ops import kquant
-from tests.conftest import NATIVE
+from tests.conftest import NATIVE, load_in_fresh_process
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-kquant.gguf"
 PROMPTS = [[1, 504, 8870, 2056], list(range(300, 360)), [7, 9]]
@@ -176,23 +172,6 @@ def test_stored_path_against_transformers_teacher_forced(stored_llm, reference):
 def test_loading_takes_no_more_memory_than_the_file_and_the_floats(tmp_path):
     """RSS after loading, in a fresh process, against before: at most the file, the floats
     quill makes (norms, and the tensors not read in place), the KV pool and 150 MB."""
-    script = f"""
-import json, resource, sys, torch
-from quill import LLM
-from quill.ops import library
-library.load()
-def rss():
-    return int(open('/proc/self/statm').read().split()[1]) * 4096
-before = rss()
-llm = LLM({str(FIXTURE)!r}, dtype="float32", kv_cache_memory=8 << 20)
-model = llm.engine.runner.model
-floats = sum(p.numel() * p.element_size() for p in model.parameters())
-print(json.dumps({{"delta": rss() - before, "floats": floats}}))
-"""
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env={**os.environ, "QUILL_CACHE": os.environ.get("QUILL_CACHE", "")}
-                          if os.environ.get("QUILL_CACHE") else None, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    figures = load_in_fresh_process(FIXTURE)
     allowed = FIXTURE.stat().st_size + figures["floats"] + (8 << 20) + (150 << 20)
     assert figures["delta"] <= allowed, figures

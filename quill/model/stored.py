@@ -273,19 +273,18 @@ def keep_float_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> tupl
     from quill.model.linear import describe_timings, time_by_rows
 
     layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
-    copies = [lambda x, w=m.dequantized(dtype): F.linear(x, w) for m in layer]
-    results = time_by_rows(layer, copies, [m.in_features for m in layer], dtype)
+    copies = {id(m): m.dequantized(dtype) for m in layer}  # kept if chosen
+    floats = [lambda x, w=copies[id(m)]: F.linear(x, w) for m in layer]
+    results = time_by_rows(layer, floats, [m.in_features for m in layer], dtype)
     log.info("weights: one layer's stored/float products by rows %s", describe_timings(results))
-    faster = [(rows, t_float < t_stored) for rows, t_stored, t_float in results]
-    max_rows = -1
-    for i in range(len(faster)):
-        if all(win for _, win in faster[i:]):
-            max_rows = faster[i - 1][0] if i else 0
-            break
-    if max_rows < 0:
+    # The copies serve the steps above the last row count at which they lost (0: none lost).
+    lost = [rows for rows, t_stored, t_float in results if t_float >= t_stored]
+    if lost and lost[-1] == results[-1][0]:
         return -1, 0
+    max_rows = lost[-1] if lost else 0
     for m in stored:
-        m.float_weight, m.max_rows = m.dequantized(dtype), max_rows
+        m.float_weight = copies[id(m)] if id(m) in copies else m.dequantized(dtype)
+        m.max_rows = max_rows
     log.info(
         "weights: float copies of the stored products (%.2f GiB) for steps of more than %d "
         "tokens, where they measured faster",
