@@ -12,6 +12,9 @@
 //   16 weights), fp16 d last; w = d * sc * (q - 32), q in 0..63. In each half of 128 weights,
 //   byte l (of 64) holds weight l's low nibble and weight 64 + l's high nibble; byte l (of 32)
 //   of the high pairs holds weights l, 32 + l, 64 + l and 96 + l's top two bits, in that order.
+// - IQ4_XS, 136 bytes: fp16 d, a uint16 and 4 bytes of eight 6-bit sub-block scales (kquant.h),
+//   128 bytes of 4-bit codes; sub-block j is w = d * (ls_j - 32) * K[q], K ggml's table of 16
+//   values. Byte l of the sub-block's 16 holds weight l (low nibble) and 16 + l (high).
 //
 // The activations are quantized once per call to int8 per row and super-block (scale =
 // max |x| / 127, rounded half to even), with their sums over each 16 values, as llama.cpp's
@@ -46,10 +49,17 @@ constexpr int kMaxRows = 4;
 #endif
 constexpr int kRowBlock = 16;   // weight rows a thread keeps in cache over every token group
 
-// The order a super-block's 32-value sub-blocks are kept in: the AVX-512 kernel reads Q4_K and
-// Q5_K's codes 64 bytes at a time, whose low nibbles are sub-blocks 4p and 4p + 2 and high
-// nibbles 4p + 1 and 4p + 3, so their activations are kept side by side in that order.
-constexpr int kInterleaved[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+// Where a super-block's groups of 16 activations are kept (in 16s) so that a vector of codes
+// meets its activations side by side. The AVX-512 kernel reads Q4_K and Q5_K's codes 64 bytes
+// at a time, whose low nibbles are sub-blocks 4p and 4p + 2 and high nibbles 4p + 1 and 4p + 3.
+// IQ4_XS's low nibbles are the first 16 weights of each sub-block a vector holds (4 with
+// AVX-512, 2 with AVX2), its high nibbles their last 16.
+constexpr int kInterleaved[16] = {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15};
+#if defined(QUILL_AVX512)
+constexpr int kIQ4Order[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+#else
+constexpr int kIQ4Order[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+#endif
 
 // The mins' term of one super-block for one row, kept as 4 float lanes (summed at the end):
 // dmin * the row's scale * sum_j m_j * (the row's sum over sub-block j).
@@ -124,6 +134,24 @@ void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m
       for (int r = 0; r < R; ++r) {
         const int16_t* s32 = act.sums32.data() + (m0 + r) * (groups / 2) + s * 8;
         offsets[r] = min_term(offsets[r], mins16, s32, dmin * act.scales[(m0 + r) * supers + s]);
+      }
+    } else if constexpr (Type == kIQ4XS) {
+      // The values are signed: |w| x (a with w's sign), whose pairs stay within int16.
+      d = half_at(b);
+      int16_t sc[8];
+      iq4xs_scales(b, sc);
+      const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+      for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low 128-bit lane) and 2c + 1
+        const __m256i x = load32(b + 8 + 32 * c);
+        const __m256i w_lo = _mm256_shuffle_epi8(table, nibbles_low(x));
+        const __m256i w_hi = _mm256_shuffle_epi8(table, nibbles_high(x));
+        const __m256i abs_lo = _mm256_abs_epi8(w_lo), abs_hi = _mm256_abs_epi8(w_hi);
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = act.row(m0 + r) + s * kSuper + 64 * c;
+          isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(load32(a), w_lo)), scale);
+          isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(load32(a + 32), w_hi)), scale);
+        }
       }
     } else {  // Q6_K
       const uint8_t* ql = b;
@@ -222,6 +250,35 @@ void dot_row_512(const uint8_t* w, int64_t supers, const Activations& act, int64
         const int16_t* s32 = act.sums32.data() + (m0 + r) * (groups / 2) + s * 8;
         offsets[r] = min_term(offsets[r], mins16, s32, dmin * act.scales[(m0 + r) * supers + s]);
       }
+    } else if constexpr (Type == kIQ4XS) {
+      // The codes' values plus 128, unsigned (kIQ4Unsigned): a sub-block's dot product in
+      // int32 lanes (dpbusd: no int16 pairs to overflow), times its scale; the 128 comes off
+      // through the activation sums below.
+      d = half_at(b);
+      int16_t sc[8];
+      iq4xs_scales(b, sc);
+      const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Unsigned)));
+      const __m512i scales32 = _mm512_cvtepi16_epi32(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc))));
+      for (int p = 0; p < 2; ++p) {  // sub-blocks 4p .. 4p + 3, one a 128-bit lane
+        const __m512i x = load64(b + 8 + 64 * p);
+        const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(x, low4));
+        const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(x, 4), low4));
+        const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(4 * p),
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+        const __m512i scale = _mm512_permutexvar_epi32(lanes, scales32);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = act.row(m0 + r) + s * kSuper + 128 * p;
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, load64(a)), hi, load64(a + 64));
+          isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, scale));
+        }
+      }
+      // 128 x sum_j sc_j x (the activation's sum over sub-block j).
+      const __m128i scales16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s32 = act.sums32.data() + (m0 + r) * (groups / 2) + s * 8;
+        const __m128i off = _mm_slli_epi32(_mm_madd_epi16(scales16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s32))), 7);
+        isum[r] = _mm512_sub_epi32(isum[r], _mm512_zextsi128_si512(off));
+      }
     } else {  // Q6_K: natural order; 64 bytes of low nibbles a half
       const uint8_t* ql = b;
       const uint8_t* qh = b + 128;
@@ -301,6 +358,7 @@ RowFn pick(int64_t type, int rows) {
   switch (type) {
     case kQ4K: return row_fn<kQ4K>(rows);
     case kQ5K: return row_fn<kQ5K>(rows);
+    case kIQ4XS: return row_fn<kIQ4XS>(rows);
     default: return row_fn<kQ6K>(rows);
   }
 }
@@ -316,7 +374,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
                          std::optional<at::ScalarType> out_dtype) {
   const char* op = "quill::kquant_linear";
   const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
+  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, in_features] with contiguous rows");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1, op,
               ": weight must be uint8 [out_features, bytes per row] with contiguous rows");
@@ -337,11 +395,11 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
   if (rows == 0 || n == 0) return out;
   Activations act;
 #if defined(QUILL_AVX512)
-  const int* interleave = type != kQ6K ? kInterleaved : nullptr;
+  const int* order = type == kIQ4XS ? kIQ4Order : type != kQ6K ? kInterleaved : nullptr;
 #else
-  const int* interleave = nullptr;
+  const int* order = type == kIQ4XS ? kIQ4Order : nullptr;
 #endif
-  quantize_input(x, interleave, act, op);
+  quantize_input(x, order, act, op);
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const int64_t row_bytes = weight.stride(0);
   const int64_t blocks_of_rows = (n + kRowBlock - 1) / kRowBlock;
@@ -376,7 +434,7 @@ at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor&
                        at::ScalarType dtype) {
   const char* op = "quill::kquant_rows";
   const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
+  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1, op,
               ": weight must be uint8 [rows, bytes per row] with contiguous rows");
   const int64_t supers = weight.size(1) / bytes, k = supers * kSuper;
@@ -405,6 +463,18 @@ at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor&
               int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
               if (type == kQ5K) q |= ((qh[l] >> j) & 1) << 4;
               y[32 * j + l] = scale * float(q) - min;
+            }
+          }
+        } else if (type == kIQ4XS) {
+          const float d = half_at(b);
+          int16_t sc[8];
+          iq4xs_scales(b, sc);
+          for (int j = 0; j < 8; ++j) {
+            const float scale = d * float(sc[j]);
+            const uint8_t* qs = b + 8 + 16 * j;
+            for (int l = 0; l < 16; ++l) {
+              y[32 * j + l] = scale * float(kIQ4Values[qs[l] & 0x0F]);
+              y[32 * j + 16 + l] = scale * float(kIQ4Values[qs[l] >> 4]);
             }
           }
         } else {

@@ -19,16 +19,32 @@ namespace quill {
 namespace kq {
 
 constexpr int kSuper = 256;  // weights per super-block
-enum : int64_t { kQ4K = 12, kQ5K = 13, kQ6K = 14 };
+enum : int64_t { kQ4K = 12, kQ5K = 13, kQ6K = 14, kIQ4XS = 23 };
 
-// Bytes of one super-block as the file stores it (0: not a K-quant read here).
+// Bytes of one super-block as the file stores it (0: not a type read here).
 inline int64_t block_bytes(int64_t type) {
   switch (type) {
     case kQ4K: return 144;
     case kQ5K: return 176;
     case kQ6K: return 210;
+    case kIQ4XS: return 136;
     default: return 0;
   }
+}
+
+// The 16 values IQ4_XS's 4-bit codes stand for (ggml's non-linear table), and the same plus 128
+// as unsigned bytes: the form the u8 x s8 dot products take (the 128 leaves through the
+// activation sums, as Q6_K's offset of 32).
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr uint8_t kIQ4Unsigned[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// IQ4_XS's eight 6-bit sub-block scales less 32: the low 4 bits in nibble j % 2 of byte
+// 4 + j / 2, the top 2 at bits 2j, 2j + 1 of the uint16 at byte 2.
+inline void iq4xs_scales(const uint8_t* b, int16_t sc[8]) {
+  uint16_t high;
+  std::memcpy(&high, b + 2, 2);
+  for (int j = 0; j < 8; ++j)
+    sc[j] = int16_t((((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4)) - 32);
 }
 
 inline float half_at(const uint8_t* p) {
@@ -84,7 +100,7 @@ inline int store_codes16(const vfloat* v, int8_t* dst) {
 #endif
 }
 
-// `order`: where each 32-value sub-block of a super-block is kept (null: in order). Rows are
+// `order`: where each group of 16 values of a super-block is kept, in 16s (null: in order). Rows are
 // quantized in parallel, 16 values a step in vectors: a prompt chunk's activations are megabytes
 // (512 x 2,048 values into a 640-row product took longer than the product itself, scalar).
 template <typename T>
@@ -114,7 +130,7 @@ void quantize(const T* x, int64_t rows, int64_t k, int64_t stride, const int* or
         int8_t* dst = out.codes.data() + m * k + s * kSuper;
         int16_t* sums = out.sums16.data() + (m * k + s * kSuper) / 16;
         for (int g = 0; g < kSuper / 16; ++g) {
-          const int at = order ? order[g / 2] * 32 + (g % 2) * 16 : g * 16;
+          const int at = order ? order[g] * 16 : g * 16;
           vfloat v[16 / kWidth];
           // Round half to even (the default rounding mode), as torch.round in the reference.
           for (int i = 0; i < 16 / kWidth; ++i) v[i] = vround(vmul(vload(src + g * 16 + i * kWidth), inverse));

@@ -1,4 +1,4 @@
-// K-quant weights (Q4_K, Q5_K, Q6_K) repacked once at load into tiles of 16 output rows, for
+// K-quant weights (Q4_K, Q5_K, Q6_K) and IQ4_XS repacked once at load into tiles of 16 output rows, for
 // the products of steps of many token rows (prompt chunks, many streams): a vector holds 4
 // inputs of 16 rows, one 32-bit lane per row, so one load of weights feeds every token row with
 // broadcast activations and no horizontal sums (as csrc/qlinear.cpp's Q8 and Q4 tiles). The
@@ -13,7 +13,8 @@
 // - Q6_K: the top two bits, 1024 bytes: per (j, p, h) 16 bytes: bits 2c, 2c + 1 of byte t are
 //   those of lane 16c + t;
 // - Q4_K, Q5_K: scales then mins, 8 x 16 bytes each (sub-block j's, row r at 16j + r); Q6_K:
-//   16 x 16 signed scales (group of 16 inputs g, row r at 16g + r);
+//   16 x 16 signed scales (group of 16 inputs g, row r at 16g + r); IQ4_XS: 8 x 16 signed
+//   scales (its 6-bit scales less 32), its codes as Q4_K's (the table's index, 0..15);
 // - d (then dmin for Q4_K, Q5_K): 16 fp16 each.
 //
 // The integer dot product of a sub-block (u8 codes x s8 activations) is exact; times its scale
@@ -29,6 +30,7 @@
 #include <algorithm>
 
 #include "kquant.h"
+#include "kquant_tiles.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -37,45 +39,12 @@ namespace {
 
 using namespace kq;
 
-constexpr int kTile = 16;
 #if defined(QUILL_AVX512)
 constexpr int kMaxRows = 8;
 #else
 constexpr int kMaxRows = 4;
 #endif
-// Tiles are stored in groups of 4 (64 rows), a group's super-blocks interleaved (Place below),
-// so the kernel that runs 4 tiles at once (a single token row) reads one forward stream. A
-// thread runs every token group over a group of tiles before it moves on.
-constexpr int kGroup = 4;
 constexpr int64_t kPrefetch = 1;
-
-int64_t tile_super_bytes(int64_t type) {
-  switch (type) {
-    case kQ4K: return 2048 + 128 + 128 + 32 + 32;
-    case kQ5K: return 2048 + 512 + 128 + 128 + 32 + 32;
-    case kQ6K: return 2048 + 1024 + 256 + 32;
-    default: return 0;
-  }
-}
-
-int64_t bits_bytes(int64_t type) { return type == kQ5K ? 512 : type == kQ6K ? 1024 : 0; }
-
-// Where tile t's pieces of a group's super-block lie, from the super-block's start: each field
-// interleaved across the group's 4 tiles at its own unit (64 bytes of codes, 8 or 16 of high
-// bits, 16 of scales, 32 of d), so the kernel that runs the 4 tiles together reads forward.
-template <int64_t Type>
-struct Place {
-  static constexpr int64_t kBitsUnit = Type == kQ5K ? 8 : 16;
-  static constexpr int64_t kBits = Type == kQ4K ? 0 : Type == kQ5K ? 512 : 1024;
-  static constexpr int64_t kAfter = kGroup * (2048 + kBits);
-  static int64_t codes(int c, int t) { return (int64_t(c) * kGroup + t) * 64; }
-  static int64_t bits(int vec, int t) { return kGroup * 2048 + (int64_t(vec) * kGroup + t) * kBitsUnit; }
-  // Q4_K, Q5_K: sub-block j's scales (mins); Q6_K: group g's scales.
-  static int64_t scales(int j, int t) { return kAfter + (int64_t(j) * kGroup + t) * 16; }
-  static int64_t mins(int j, int t) { return kAfter + kGroup * 128 + (int64_t(j) * kGroup + t) * 16; }
-  static int64_t d(int t) { return kAfter + kGroup * 256 + t * 32; }
-  static int64_t dmin(int t) { return kAfter + kGroup * 288 + t * 32; }
-};
 
 // Moves one tile's contiguous super-block (write_tile_block's layout) into its group's.
 template <int64_t Type>
@@ -85,24 +54,26 @@ void place_tile_block(const uint8_t* tile, int t, uint8_t* group_super) {
   for (int v = 0; v < 64 && P::kBits; ++v)
     std::memcpy(group_super + P::bits(v, t), tile + 2048 + P::kBitsUnit * v, P::kBitsUnit);
   const uint8_t* after = tile + 2048 + P::kBits;
-  for (int j = 0; j < (Type == kQ6K ? 16 : 8); ++j) std::memcpy(group_super + P::scales(j, t), after + 16 * j, 16);
-  if constexpr (Type != kQ6K) {
+  for (int j = 0; j < scale_bytes(Type) / 16; ++j) std::memcpy(group_super + P::scales(j, t), after + 16 * j, 16);
+  const int64_t d_at = scale_bytes(Type) + (has_mins(Type) ? 128 : 0);
+  if constexpr (has_mins(Type)) {
     for (int j = 0; j < 8; ++j) std::memcpy(group_super + P::mins(j, t), after + 128 + 16 * j, 16);
-    std::memcpy(group_super + P::dmin(t), after + 288, 32);
+    std::memcpy(group_super + P::dmin(t), after + d_at + 32, 32);
   }
-  std::memcpy(group_super + P::d(t), after + 256, 32);
+  std::memcpy(group_super + P::d(t), after + d_at, 32);
 }
 
 void place_tile_block(int64_t type, const uint8_t* tile, int t, uint8_t* group_super) {
   switch (type) {
     case kQ4K: return place_tile_block<kQ4K>(tile, t, group_super);
     case kQ5K: return place_tile_block<kQ5K>(tile, t, group_super);
+    case kIQ4XS: return place_tile_block<kIQ4XS>(tile, t, group_super);
     default: return place_tile_block<kQ6K>(tile, t, group_super);
   }
 }
 
 // One weight row's codes of a super-block, 0..15 / 0..31 / 0..63, and its scales (Q4_K, Q5_K:
-// sc[8], mn[8]; Q6_K: sc as int8[16]) and d, dmin.
+// sc[8], mn[8]; Q6_K: sc as int8[16]; IQ4_XS: sc[8] less 32) and d, dmin.
 struct RowBlock {
   uint8_t q[kSuper];
   int16_t sc[16];
@@ -124,6 +95,15 @@ void read_row_block(const uint8_t* b, int64_t type, RowBlock& out) {
         int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
         if (type == kQ5K) q |= ((qh[l] >> j) & 1) << 4;
         out.q[32 * j + l] = uint8_t(q);
+      }
+  } else if (type == kIQ4XS) {
+    std::memcpy(&out.d, b, 2);
+    out.dmin = fp16(0.0f);
+    iq4xs_scales(b, out.sc);
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 16; ++l) {
+        out.q[32 * j + l] = b[8 + 16 * j + l] & 0x0F;
+        out.q[32 * j + 16 + l] = b[8 + 16 * j + l] >> 4;
       }
   } else {
     const uint8_t* ql = b;
@@ -163,9 +143,9 @@ void write_tile_block(const RowBlock* rows[kTile], int64_t type, uint8_t* out) {
             if (type == kQ6K) bits[vec * 16 + lane % 16] |= uint8_t((top[h] & 3) << (2 * (lane / 16)));
           }
         }
-    if (type == kQ6K) {
-      for (int g = 0; g < 16; ++g) after[16 * g + r] = uint8_t(int8_t(row->sc[g]));
-      std::memcpy(after + 256 + 2 * r, &row->d, 2);
+    if (!has_mins(type)) {  // Q6_K, IQ4_XS: signed scales, d
+      for (int g = 0; g < scale_bytes(type) / 16; ++g) after[16 * g + r] = uint8_t(int8_t(row->sc[g]));
+      std::memcpy(after + scale_bytes(type) + 2 * r, &row->d, 2);
     } else {
       for (int j = 0; j < 8; ++j) {
         after[16 * j + r] = uint8_t(row->sc[j]);
@@ -214,6 +194,7 @@ void tile_rows(const uint8_t* group, int t0, int64_t supers, const Activations& 
   constexpr int S = R * T >= 4 ? 1 : 2;
   const int64_t tsb = tile_super_bytes(Type), groups = act.k / 16;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Unsigned)));
   __m512 acc[T][R];
   for (int t = 0; t < T; ++t)
     for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
@@ -248,9 +229,13 @@ void tile_rows(const uint8_t* group, int t0, int64_t supers, const Activations& 
           const __m512i packed = _mm512_loadu_si512(sb + P::codes(4 * j + p, t0 + t));
           __m512i lo = _mm512_and_si512(packed, low4);
           __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
-          if constexpr (Type != kQ4K) {
+          if constexpr (Type == kQ5K || Type == kQ6K) {
             lo = _mm512_or_si512(lo, high_bits<Type>(sb + P::bits((4 * j + p) * 2, t0 + t)));
             hi = _mm512_or_si512(hi, high_bits<Type>(sb + P::bits((4 * j + p) * 2 + 1, t0 + t)));
+          }
+          if constexpr (Type == kIQ4XS) {  // the values plus 128; the 128 leaves below
+            lo = _mm512_shuffle_epi8(table, lo);
+            hi = _mm512_shuffle_epi8(table, hi);
           }
           for (int r = 0; r < R; ++r) {
             dot[t][r][0] = _mm512_dpbusd_epi32(dot[t][r][0], lo, lo_a[r]);
@@ -275,7 +260,18 @@ void tile_rows(const uint8_t* group, int t0, int64_t supers, const Activations& 
           }
         }
       }
-      if constexpr (Type != kQ6K) {
+      if constexpr (Type == kIQ4XS) {
+        for (int t = 0; t < T; ++t) {
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + P::scales(j, t0 + t))));
+          for (int r = 0; r < R; ++r) {
+            const int16_t sum = act.sums32[(m0 + r) * (groups / 2) + s * 8 + j];
+            const __m512i both = S == 2 ? _mm512_add_epi32(dot[t][r][0], dot[t][r][S - 1]) : dot[t][r][0];
+            const __m512i centred = _mm512_sub_epi32(both, _mm512_set1_epi32(128 * sum));
+            isum[t][r] = _mm512_add_epi32(isum[t][r], _mm512_mullo_epi32(centred, sc));
+          }
+        }
+      }
+      if constexpr (has_mins(Type)) {
         for (int t = 0; t < T; ++t) {
           const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + P::scales(j, t0 + t))));
           const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + P::mins(j, t0 + t))));
@@ -290,12 +286,12 @@ void tile_rows(const uint8_t* group, int t0, int64_t supers, const Activations& 
     }
     for (int t = 0; t < T; ++t) {
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + P::d(t0 + t))));
-      const __m512 dmin = Type == kQ6K ? _mm512_setzero_ps()
+      const __m512 dmin = !has_mins(Type) ? _mm512_setzero_ps()
           : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + P::dmin(t0 + t))));
       for (int r = 0; r < R; ++r) {
         const __m512 scale = _mm512_set1_ps(act.scales[(m0 + r) * supers + s]);
         acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t][r]), _mm512_mul_ps(d, scale), acc[t][r]);
-        if constexpr (Type != kQ6K)
+        if constexpr (has_mins(Type))
           acc[t][r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[t][r]), _mm512_mul_ps(dmin, scale), acc[t][r]);
       }
     }
@@ -334,6 +330,7 @@ void half_tile_rows(const uint8_t* group, int t, int64_t supers, const Activatio
   using P = Place<Type>;
   const int64_t tsb = tile_super_bytes(Type), groups = act.k / 16;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
@@ -349,9 +346,22 @@ void half_tile_rows(const uint8_t* group, int t, int64_t supers, const Activatio
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + P::codes(4 * j + p, t) + 32 * half));
         __m256i lo = _mm256_and_si256(packed, low4);
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-        if constexpr (Type != kQ4K) {
+        if constexpr (Type == kQ5K || Type == kQ6K) {
           lo = _mm256_or_si256(lo, high_bits_half<Type>(sb + P::bits((4 * j + p) * 2, t), half));
           hi = _mm256_or_si256(hi, high_bits_half<Type>(sb + P::bits((4 * j + p) * 2 + 1, t), half));
+        }
+        if constexpr (Type == kIQ4XS) {
+          // Signed values: |w| x (a with w's sign), whose pairs stay within int16 (the values
+          // plus 128 would not, without VNNI).
+          const __m256i w_lo = _mm256_shuffle_epi8(table, lo), w_hi = _mm256_shuffle_epi8(table, hi);
+          lo = _mm256_abs_epi8(w_lo);
+          hi = _mm256_abs_epi8(w_hi);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = a0 + r * act.k + 32 * j + 8 * p;
+            dot[r][0] = _mm256_add_epi32(dot[r][0], dot4(lo, _mm256_sign_epi8(_mm256_set1_epi32(four_codes(a)), w_lo)));
+            dot[r][0] = _mm256_add_epi32(dot[r][0], dot4(hi, _mm256_sign_epi8(_mm256_set1_epi32(four_codes(a + 4)), w_hi)));
+          }
+          continue;
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* a = a0 + r * act.k + 32 * j + 8 * p;
@@ -369,6 +379,9 @@ void half_tile_rows(const uint8_t* group, int t, int64_t supers, const Activatio
             isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(centred, sc));
           }
         }
+      } else if constexpr (Type == kIQ4XS) {
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + P::scales(j, t) + 8 * half)));
+        for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dot[r][0], sc));
       } else {
         const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + P::scales(j, t) + 8 * half)));
         const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + P::mins(j, t) + 8 * half)));
@@ -380,12 +393,12 @@ void half_tile_rows(const uint8_t* group, int t, int64_t supers, const Activatio
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + P::d(t) + 16 * half)));
-    const __m256 dmin = Type == kQ6K ? _mm256_setzero_ps()
+    const __m256 dmin = !has_mins(Type) ? _mm256_setzero_ps()
         : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + P::dmin(t) + 16 * half)));
     for (int r = 0; r < R; ++r) {
       const __m256 scale = _mm256_set1_ps(act.scales[(m0 + r) * supers + s]);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(d, scale), acc[r]);
-      if constexpr (Type != kQ6K)
+      if constexpr (has_mins(Type))
         acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(dmin, scale), acc[r]);
     }
   }
@@ -439,6 +452,7 @@ TileFn pick(int64_t type, int rows, int tiles) {
   switch (type) {
     case kQ4K: return pick_rows<kQ4K>(rows, tiles);
     case kQ5K: return pick_rows<kQ5K>(rows, tiles);
+    case kIQ4XS: return pick_rows<kIQ4XS>(rows, tiles);
     default: return pick_rows<kQ6K>(rows, tiles);
   }
 }
@@ -459,7 +473,7 @@ void store_row(T* dst, const float* src, int64_t n, const float* bias) {
 at::Tensor kquant_pack(const at::Tensor& weight, int64_t type, const std::optional<at::Tensor>& row_order) {
   const char* op = "quill::kquant_pack";
   const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
+  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1, op,
               ": weight must be uint8 [rows, bytes per row] with contiguous rows");
   const int64_t n = weight.size(0), supers = weight.size(1) / bytes;
@@ -504,7 +518,7 @@ at::Tensor kquant_tile_linear(const at::Tensor& x, const at::Tensor& tiles, int6
                               std::optional<at::ScalarType> out_dtype) {
   const char* op = "quill::kquant_tile_linear";
   const int64_t tsb = tile_super_bytes(type);
-  TORCH_CHECK(tsb > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13) or Q6_K (14)");
+  TORCH_CHECK(tsb > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, in_features] with contiguous rows");
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), op,
               ": tiles must be contiguous uint8 [groups of 4 tiles, bytes] (quill::kquant_pack)");

@@ -72,6 +72,10 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
 // taken in `row_order` (row n of the result is the weight's row row_order[n]; in order when not
 // given), the last group padded with zero rows: uint8 [ceil(N / 64), bytes per group].
 at::Tensor kquant_pack(const at::Tensor& weight, int64_t type, const std::optional<at::Tensor>& row_order);
+// Rows [first, first + count) of such tiles (count -1: to the end) back as float weights
+// [count, K] in `dtype` (kquant_dequant.cpp).
+at::Tensor kquant_tile_dequant(const at::Tensor& tiles, int64_t type, int64_t out_features, at::ScalarType dtype,
+                               int64_t first, int64_t count);
 
 // x [rows, K] times tiles from kquant_pack holding `out_features` rows: [rows, out_features].
 at::Tensor kquant_tile_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t type,

@@ -1,4 +1,4 @@
-"""GGUF's K-quants as stored (quill/ops/kquant.py, csrc/kquant.cpp), against the `gguf`
+"""GGUF's K-quants and IQ4_XS as stored (quill/ops/kquant.py, csrc/kquant.cpp), against the `gguf`
 package's numpy dequantizers (llama.cpp's own, tested bit for bit against its C code).
 
 Random super-blocks (every byte random: every code, scale and min; the fp16 d and dmin set to
@@ -32,7 +32,9 @@ def random_weight(ggml_type: int, rows: int, supers: int, seed: int, edge: bool 
     rng = np.random.default_rng(seed)
     size = kquant.BLOCK_BYTES[ggml_type]
     raw = rng.integers(0, 256, size=(rows, supers, size), dtype=np.uint8)
-    fields = [0, 2] if ggml_type in (kquant.Q4_K, kquant.Q5_K) else [208]
+    fields = {kquant.Q4_K: [0, 2], kquant.Q5_K: [0, 2], kquant.Q6_K: [208], kquant.IQ4_XS: [0]}[
+        ggml_type
+    ]
     for at in fields:
         if edge:
             values = rng.choice(np.array(EDGE_HALVES, dtype=np.float16), size=(rows, supers))
@@ -143,6 +145,51 @@ def test_tiled_product_matches_the_references(ggml_type, rows, n, supers, dtype,
 
 
 @needs_native
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ggml_type=st.sampled_from(TYPES),
+    n=st.integers(1, 150),
+    supers=st.integers(1, 3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    edge=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_tiles_dequantize_to_the_files_values_bit_for_bit(ggml_type, n, supers, dtype, edge, seed):
+    """quill::kquant_tile_dequant gives back, from the tiles, the file's values (gguf's
+    dequantizer, in the tiles' row order) rounded once to the dtype; whole or a chunk of rows."""
+    weight = random_weight(ggml_type, n, supers, seed, edge=edge)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    tiles = torch.ops.quill.kquant_pack(weight, ggml_type, order)
+    expected = torch.from_numpy(gguf_dequantized(weight, ggml_type))[order].to(dtype)
+    whole = torch.ops.quill.kquant_tile_dequant(tiles, ggml_type, n, dtype)
+    assert whole.dtype == dtype and torch.equal(whole, expected)
+    first = 16 * (seed % (1 + (n - 1) // 16))
+    count = (seed // 7) % (n - first + 1)
+    chunk = torch.ops.quill.kquant_tile_dequant(tiles, ggml_type, n, dtype, first, count)
+    assert torch.equal(chunk, expected[first : first + count])
+
+
+@needs_native
+@pytest.mark.parametrize("ggml_type", TYPES, ids=kquant.NAMES.get)
+def test_dequantized_product_is_the_float_product(ggml_type, monkeypatch):
+    """kquant.dequantized_linear (long steps where the float product measures faster) is x
+    times the file's values, a chunk of rows at a time (a small chunk here: several), bias
+    included: float32 against float64."""
+    monkeypatch.setattr(kquant, "DEQUANTIZED_CHUNK_BYTES", 64 * 512 * 4)
+    weight = random_weight(ggml_type, 150, 2, seed=ggml_type)
+    tiles = torch.ops.quill.kquant_pack(weight, ggml_type, None)
+    x, bias = torch.randn(33, 512), torch.randn(150)
+    out = kquant.dequantized_linear(x, tiles, ggml_type, 150, bias)
+    w = torch.from_numpy(gguf_dequantized(weight, ggml_type)).double()
+    exact = x.double() @ w.T + bias.double()
+    magnitude = x.double().abs() @ w.abs().T + bias.double().abs()
+    assert out.shape == (33, 150)
+    assert ((out.double() - exact).abs() <= 1e-5 * magnitude + 1e-6).all()
+    with pytest.raises(RuntimeError, match="whole tiles"):
+        torch.ops.quill.kquant_tile_dequant(tiles, ggml_type, 150, torch.float32, 8, 16)
+
+
+@needs_native
 def test_tiles_check_their_inputs():
     weight = random_weight(kquant.Q4_K, 20, 2, seed=4)
     tiles = torch.ops.quill.kquant_pack(weight, kquant.Q4_K, None)
@@ -191,6 +238,9 @@ def test_native_ops_pass_opcheck(ggml_type):
     tiles = torch.ops.quill.kquant_pack(weight, ggml_type, order)
     torch.library.opcheck(
         torch.ops.quill.kquant_tile_linear.default, (x, tiles, ggml_type, 6, bias, None)
+    )
+    torch.library.opcheck(
+        torch.ops.quill.kquant_tile_dequant.default, (tiles, ggml_type, 6, torch.bfloat16, 0, 5)
     )
 
 

@@ -1,7 +1,7 @@
 """GGUF weights used where they lie (quill/model/stored.py): a tiny Llama quantized by
 llama.cpp's own quantizer into a mix of types (tests/fixtures/make_kquant_fixture.py: Q4_K,
-Q5_K and Q6_K inside one merged projection, a Q4_K table tied to the head, Q8_0 and Q5_0
-beside them), against transformers reading the same file.
+Q5_K and Q6_K inside one merged projection, IQ4_XS beside Q4_K in another, a Q4_K table tied to
+the head, Q8_0 and Q5_0 beside them), against transformers reading the same file.
 
 The stored products quantize their activations to int8 per row and 256 values, as llama.cpp
 does, so their logits are not a float evaluation's: the model is held (1) to the same model
@@ -102,6 +102,10 @@ def test_the_k_quant_tensors_are_used_as_stored(stored_llm):
     assert [s.type_name for s in qkv.segments] == ["Q4_K", "Q5_K", "Q6_K"]
     assert all(isinstance(model.layers[0].get_submodule(n), StoredLinear)
                for n in ("o_proj", "gate_up_proj", "down_proj"))  # fmt: skip
+    gate_up = model.layers[1].gate_up_proj
+    assert isinstance(gate_up, StoredLinear)
+    assert [s.type_name for s in gate_up.segments] == ["Q4_K", "IQ4_XS"]
+    assert isinstance(model.layers[1].o_proj, StoredLinear)
     assert not isinstance(model.layers[1].qkv_proj, StoredLinear)  # Q8_0: quill's int8 path
     assert not isinstance(model.layers[1].down_proj, StoredLinear)  # Q5_0: not read in place
     # No float copy of any stored tensor: the model's own parameters are the rest.
@@ -143,11 +147,12 @@ def test_every_stored_product_is_the_kernels_model_of_it(stored_llm, monkeypatch
     monkeypatch.setattr(kquant, "kquant_linear", checked)
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
     stored_llm.generate(PROMPTS, params, use_tqdm=False)
-    assert {name for name, _, _ in seen} == {"Q4_K", "Q5_K", "Q6_K"}
+    assert {name for name, _, _ in seen} == {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
     assert max(rows for _, rows, _ in seen) == sum(len(p) for p in PROMPTS)
     # The library's tiled types in tiles, the rest and the looked-up table (Q4_K) in place.
     tiled = {kquant.NAMES[t] for t in tiled_types()}
-    want = {(name, name in tiled) for name in ("Q4_K", "Q5_K", "Q6_K")} | {("Q4_K", False)}
+    names = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+    want = {(name, name in tiled) for name in names} | {("Q4_K", False)}
     assert {(name, tiled) for name, _, tiled in seen} == want
 
 
@@ -167,6 +172,39 @@ def test_stored_path_against_transformers_teacher_forced(stored_llm, reference):
                 assert max(scored[pos], key=scored[pos].get) == token
                 checked += 1
     assert checked >= 5  # the greedy choice was compared where it is not rounding's
+
+
+@needs_native
+def test_long_steps_by_dequantized_tiles_against_transformers(stored_llm, reference, monkeypatch):
+    """Where the float product measured faster for long steps (AMX), the tiles are dequantized
+    a chunk at a time (kquant.dequantized_linear): forced on for every step here, each such
+    product is the float64 product of the file's values within float32 rounding, every tiled
+    type takes it, and the model stays within the bound of transformers' float evaluation."""
+    native = kquant.dequantized_linear
+    seen = set()
+
+    def checked(x, tiles, ggml_type, out_features, bias=None):
+        out = native(x, tiles, ggml_type, out_features, bias)
+        w = torch.ops.quill.kquant_tile_dequant(tiles, ggml_type, out_features, torch.float32)
+        want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        magnitude = x.double().abs() @ w.double().abs().T
+        assert ((out.double() - want).abs() <= 1e-5 * magnitude + 1e-6).all()
+        seen.add(kquant.NAMES[ggml_type])
+        return out
+
+    monkeypatch.setattr(kquant, "dequantized_linear", checked)
+    stored = [m for m in stored_llm.engine.runner.model.modules() if isinstance(m, StoredLinear)]
+    for m in stored:
+        monkeypatch.setattr(m, "dequantize_above", 0)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    for ids in PROMPTS:
+        full = greedy(reference, ids, 16)
+        with torch.inference_mode():
+            logits = reference(torch.tensor([full])).logits[0].log_softmax(-1)
+        scored = stored_llm.generate([full], params, use_tqdm=False)[0].prompt_logprobs
+        for pos in range(len(ids), len(full)):
+            assert abs(scored[pos][full[pos]] - logits[pos - 1, full[pos]].item()) < BOUND
+    assert seen == {kquant.NAMES[t] for t in tiled_types()}
 
 
 def test_loading_takes_no_more_memory_than_the_file_and_the_floats(tmp_path):

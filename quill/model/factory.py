@@ -166,7 +166,7 @@ def _quantize(
     from them whatever is chosen for the rest."""
     from quill.model.linear import choose_native_rows, choose_split
     from quill.model.quant import choose_quantization, quantize_model
-    from quill.model.stored import StoredLinear, keep_float_copies
+    from quill.model.stored import StoredLinear, choose_dequantized_products, keep_float_copies
 
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     if stored:
@@ -184,6 +184,8 @@ def _quantize(
             _, copies = keep_float_copies(model, dtype, int(STORED_COPY_SHARE * plan.available))
             plan.weights += copies  # the KV pool is sized from what is left
             plan.parts["float copies"] = copies
+            if not copies:
+                choose_dequantized_products(model, dtype)
     if unloaded:
         taken = quantize_model(model, None, head=True, blocks=blocks, unloaded=unloaded)
         log.info(

@@ -87,12 +87,14 @@ def best_time(fn, repeats: int = 5) -> float:
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def time_by_rows(first: list, second: list, widths: list[int], dtype, stop=None) -> list:
+def time_by_rows(
+    first: list, second: list, widths: list[int], dtype, stop=None, counts=ROW_COUNTS
+) -> list:
     """Two ways of computing one layer's products (callables x -> y, one per input width in
-    `widths`) timed over the same random inputs at each of ROW_COUNTS rows, until
+    `widths`) timed over the same random inputs at each of `counts` rows, until
     `stop(t_first, t_second)` holds. Returns [(rows, t_first, t_second)]."""
     results = []
-    for rows in ROW_COUNTS:
+    for rows in counts:
         inputs = [torch.randn(rows, width, dtype=dtype) for width in widths]
 
         def run(products, inputs=inputs):

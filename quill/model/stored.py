@@ -1,6 +1,6 @@
 """Weights used where they lie: linear layers and the embedding read straight from a GGUF
-file's memory map in the type it stores them (the K-quants: Q4_K, Q5_K, Q6_K), with no float
-copy at any point.
+file's memory map in the type it stores them (the K-quants Q4_K, Q5_K, Q6_K, and IQ4_XS), with
+no float copy at any point.
 
 The loader finds, per model module, the file's tensors whose type has a native kernel
 (`StoredTensor`, quill/model/gguf_loader.py), swaps those modules for the ones here on the
@@ -15,7 +15,9 @@ K-quant products are faster in tiles of 16 rows (csrc/kquant_tiles.cpp; with AVX
 44 GB/s hot; docs/benchmarks.md), so `pack_tiles` repacks them once at load, the values
 unchanged, and lets go of the file's pages they came from: the tiles replace the mapped pages
 rather than sit beside them. The AVX2 library's Q6_K tiles lose at a few rows (31 against 48
-GB/s at one), so there Q6_K stays where it lies; so does a table that is also looked up.
+GB/s at one), so there Q6_K stays where it lies; so does a table that is also looked up. IQ4_XS
+tiles win from one row with AVX-512 (60 against 29 GB/s) and from 4 with AVX2 (0.93x at one;
+benchmarks/bench_kquant.py).
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class StoredLinear(nn.Module):
         # (`keep_float_copies`); None: every step reads the stored rows.
         self.float_weight: torch.Tensor | None = None
         self.max_rows: int | None = None
+        # Steps of more rows than this multiply by the tiles dequantized a chunk at a time
+        # (`choose_dequantized_products`, where measured faster: AMX); None: never.
+        self.dequantize_above: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -108,8 +113,15 @@ class StoredLinear(nn.Module):
             return whole if self.parts is None else list(whole.split(self.parts, -1))
         outputs, offset = [], 0
         native = kquant.native_available(x)
+        dequantize = (
+            native and self.dequantize_above is not None and x.shape[0] > self.dequantize_above
+        )
         for i, s in enumerate(self.segments):
             bias = None if self.bias is None else self.bias[offset : offset + s.rows]
+            if dequantize and s.tiles is not None:
+                outputs.append(kquant.dequantized_linear(x, s.tiles, s.ggml_type, s.rows, bias))
+                offset += s.rows
+                continue
             fallback = None
             if not native:  # the PyTorch path dequantizes once, and keeps it (GPU, tests)
                 if self._fallbacks[i] is None:
@@ -212,8 +224,8 @@ def tiled_types() -> frozenset[int]:
 
     native = library.load()
     if native is not None and native.isa == "avx512":
-        return frozenset({kquant.Q4_K, kquant.Q5_K, kquant.Q6_K})
-    return frozenset({kquant.Q4_K, kquant.Q5_K})
+        return frozenset({kquant.Q4_K, kquant.Q5_K, kquant.Q6_K, kquant.IQ4_XS})
+    return frozenset({kquant.Q4_K, kquant.Q5_K, kquant.IQ4_XS})
 
 
 def pack_tiles(model: nn.Module, release=None) -> int:
@@ -249,14 +261,93 @@ def pack_tiles(model: nn.Module, release=None) -> int:
     return made
 
 
+def _measured_crossover(kind: str, layer: list, second, dtype: torch.dtype, counts) -> int:
+    """One layer's stored products timed against a second way (`second()`: its callables, made
+    only if timed) at `counts` rows, or those timings from an earlier start on this machine
+    (quill/model/measured.py). Returns the row count above which the second way was faster at
+    every count measured (one less than the first count if it never lost; -1: it lost at the
+    last)."""
+    from quill.model.linear import describe_timings, time_by_rows
+    from quill.model.measured import remembered
+
+    what = {
+        "dtype": str(dtype),
+        "counts": list(counts),
+        "products": [
+            [s.type_name, s.rows, m.in_features, s.tiles is not None]
+            for m in layer
+            for s in m.segments
+        ],
+    }
+    widths = [m.in_features for m in layer]
+    results = remembered(
+        kind, what, lambda: time_by_rows(layer, second(), widths, dtype, counts=counts)
+    )
+    log.info(
+        "weights: one layer's %s by rows %s", kind.replace("-", " "), describe_timings(results)
+    )
+    lost = [rows for rows, t_stored, t_second in results if t_second >= t_stored]
+    if lost and lost[-1] == results[-1][0]:
+        return -1
+    return lost[-1] if lost else results[0][0] - 1
+
+
+# Row counts the dequantized products are timed at: below 16 rows the dequantization alone
+# (a few Gweights/s) costs more than the tiles' whole product.
+DEQUANTIZED_COUNTS = (16, 32, 64, 128, 256, 512)
+
+
+@torch.inference_mode()
+def choose_dequantized_products(model: nn.Module, dtype: torch.dtype) -> int:
+    """Time one layer's tiled products against the same tiles dequantized a chunk at a time
+    into PyTorch's float product (kquant.dequantized_linear), here (or once per machine); where
+    the latter is faster from some row count on (AMX's bf16: 2-3x the tiles at 512 rows), every
+    stored product takes it for steps above that count. Costs no memory beyond a chunk.
+    Returns that row count (-1: none)."""
+    layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
+    if not any(s.tiles is not None for m in layer for s in m.segments):
+        return -1
+
+    def dequantized(m):
+        def run(x):
+            m.dequantize_above = 0
+            try:
+                return m(x)
+            finally:
+                m.dequantize_above = None
+
+        return run
+
+    above = _measured_crossover(
+        "tiled-dequantized-products",
+        layer,
+        lambda: [dequantized(m) for m in layer],
+        dtype,
+        DEQUANTIZED_COUNTS,
+    )
+    if above < 0:
+        return -1
+    for m in model.modules():
+        if isinstance(m, StoredLinear):
+            m.dequantize_above = above
+    log.info(
+        "weights: steps of more than %d tokens multiply by the tiles dequantized to %s a chunk "
+        "at a time, where that measured faster",
+        above,
+        str(dtype).removeprefix("torch."),
+    )
+    return above
+
+
 @torch.inference_mode()
 def keep_float_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> tuple[int, int]:
-    """Measure one layer's stored products against their float copies at 1 to 512 rows, here,
-    and where the copies are faster from some row count on (for every larger count measured),
-    give every stored product of the layers a float copy for steps above the row count before
-    it, if all the copies together take at most `budget` bytes. The tiles run narrow products
-    (a 270M model's 640 rows) at a third of their rate on wide ones, where bf16's matrix product
-    wins from a few dozen rows. Returns (that max_rows or -1 for none, the copies' bytes)."""
+    """Time one layer's stored products against their float copies at 1 to 512 rows, here (or
+    once per machine), and where the copies are faster from some row count on (for every larger
+    count measured), give every stored product of the layers a float copy for steps above the
+    row count before it, if all the copies together take at most `budget` bytes. The tiles run
+    narrow products (a 270M model's 640 rows) at a third of their rate on wide ones, where
+    bf16's matrix product wins from a few dozen rows. Returns (that max_rows or -1 for none,
+    the copies' bytes)."""
     stored = [m for layer in model.layers for m in layer.modules() if isinstance(m, StoredLinear)]
     if not stored:
         return -1, 0
@@ -270,18 +361,18 @@ def keep_float_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> tupl
             budget / (1 << 30),
         )
         return -1, 0
-    from quill.model.linear import describe_timings, time_by_rows
+    from quill.model.linear import ROW_COUNTS
 
     layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
-    copies = {id(m): m.dequantized(dtype) for m in layer}  # kept if chosen
-    floats = [lambda x, w=copies[id(m)]: F.linear(x, w) for m in layer]
-    results = time_by_rows(layer, floats, [m.in_features for m in layer], dtype)
-    log.info("weights: one layer's stored/float products by rows %s", describe_timings(results))
-    # The copies serve the steps above the last row count at which they lost (0: none lost).
-    lost = [rows for rows, t_stored, t_float in results if t_float >= t_stored]
-    if lost and lost[-1] == results[-1][0]:
+    copies = {}  # of the timed layer, kept if chosen
+
+    def floats():
+        copies.update({id(m): m.dequantized(dtype) for m in layer})
+        return [lambda x, w=copies[id(m)]: F.linear(x, w) for m in layer]
+
+    max_rows = _measured_crossover("stored-float-products", layer, floats, dtype, ROW_COUNTS)
+    if max_rows < 0:
         return -1, 0
-    max_rows = lost[-1] if lost else 0
     for m in stored:
         m.float_weight = copies[id(m)] if id(m) in copies else m.dequantized(dtype)
         m.max_rows = max_rows

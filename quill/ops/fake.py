@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from quill.ops.gguf_types import BLOCK_BYTES, IQ4_XS, Q4_K, Q5_K, Q6_K
+
 
 @torch.library.register_fake("quill::write_kv")
 def _write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -101,18 +103,24 @@ def _kquant_linear(x, weight, type, row_map=None, bias=None, out_dtype=None) -> 
 
 @torch.library.register_fake("quill::kquant_rows")
 def _kquant_rows(weight, type, ids, dtype) -> torch.Tensor:
-    per_row = {12: 144, 13: 176, 14: 210}[type]
+    per_row = BLOCK_BYTES[type]
     return weight.new_empty(ids.numel(), weight.shape[1] // per_row * 256, dtype=dtype)
 
 
-_TILE_SUPER_BYTES = {12: 2368, 13: 2880, 14: 3360}
+_TILE_SUPER_BYTES = {Q4_K: 2368, Q5_K: 2880, Q6_K: 3360, IQ4_XS: 2208}  # csrc/kquant_tiles.cpp
 
 
 @torch.library.register_fake("quill::kquant_pack")
 def _kquant_pack(weight, type, row_order=None) -> torch.Tensor:
-    per_row = {12: 144, 13: 176, 14: 210}[type]
+    per_row = BLOCK_BYTES[type]
     groups = -(-weight.shape[0] // 64)  # of 4 tiles of 16 rows
     return weight.new_empty(groups, weight.shape[1] // per_row * 4 * _TILE_SUPER_BYTES[type])
+
+
+@torch.library.register_fake("quill::kquant_tile_dequant")
+def _kquant_tile_dequant(tiles, type, out_features, dtype, first=0, count=-1) -> torch.Tensor:
+    k = tiles.shape[1] // (4 * _TILE_SUPER_BYTES[type]) * 256
+    return tiles.new_empty(out_features - first if count < 0 else count, k, dtype=dtype)
 
 
 @torch.library.register_fake("quill::kquant_tile_linear")

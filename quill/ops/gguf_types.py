@@ -1,15 +1,15 @@
 """The GGUF tensor types quill's native kernels read as a file stores them, and their block
 sizes: plain facts, without torch, so the cost model (torch-free) prices them alike.
 
-GGML numbers its types (`gguf.GGMLQuantizationType`); a K-quant row is a run of super-blocks of
-256 weights (layouts: quill/ops/kquant.py, csrc/kquant.cpp).
+GGML numbers its types (`gguf.GGMLQuantizationType`); a K-quant (or IQ4_XS) row is a run of
+super-blocks of 256 weights (layouts: quill/ops/kquant.py, csrc/kquant.cpp).
 """
 
 from __future__ import annotations
 
-Q4_K, Q5_K, Q6_K = 12, 13, 14  # GGML's type numbers
-NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
-BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
+Q4_K, Q5_K, Q6_K, IQ4_XS = 12, 13, 14, 23  # GGML's type numbers
+NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
 SUPER = 256  # weights per super-block
 
 # Blocks of 32 weights, an fp16 scale each (Q4_1 an fp16 minimum too): the types whose

@@ -1,5 +1,6 @@
-"""GGUF's K-quant weights (Q4_K, Q5_K, Q6_K) as the file stores them: the native product and
-lookup (csrc/kquant.cpp), and the PyTorch code they are checked against and fall back to.
+"""GGUF's K-quant weights (Q4_K, Q5_K, Q6_K, and IQ4_XS's super-blocks) as the file stores
+them: the native product and lookup (csrc/kquant.cpp), and the PyTorch code they are checked
+against and fall back to.
 
 A weight is a uint8 tensor [out_features, bytes per row]: each row a run of super-blocks of 256
 weights in ggml's layout (the kernel's header comment, and `dequantize` here, say how each
@@ -17,10 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from quill.ops import library
-from quill.ops.gguf_types import BLOCK_BYTES, NAMES, Q4_K, Q5_K, Q6_K, SUPER, type_of
+from quill.ops.gguf_types import BLOCK_BYTES, IQ4_XS, NAMES, Q4_K, Q5_K, Q6_K, SUPER, type_of
 from quill.ops.qlinear import quantize_activations
 
-__all__ = ["BLOCK_BYTES", "NAMES", "Q4_K", "Q5_K", "Q6_K", "SUPER", "type_of"]
+__all__ = ["BLOCK_BYTES", "IQ4_XS", "NAMES", "Q4_K", "Q5_K", "Q6_K", "SUPER", "type_of"]
+
+# The values IQ4_XS's 4-bit codes stand for (ggml's non-linear table).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def in_features(weight: torch.Tensor, ggml_type: int) -> int:
@@ -30,6 +34,12 @@ def in_features(weight: torch.Tensor, ggml_type: int) -> int:
 def _half(b: torch.Tensor) -> torch.Tensor:
     """[..., 2] bytes as fp16 -> fp32 [...]."""
     return b.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _half_word(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes as a little-endian uint16 -> int32 [...]."""
+    b = b.int()
+    return b[..., 0] | (b[..., 1] << 8)
 
 
 def _scales_and_mins(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +82,19 @@ def dequantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
         high = high.reshape(*qh.shape[:-1], 2, 128)
         q = ((low | (high << 4)) - 32).reshape(*ql.shape[:-1], 16, 16).float()
         w = (d[..., None] * scales)[..., None] * q
+    elif ggml_type == IQ4_XS:
+        d = _half(blocks[..., 0:2])
+        high = _half_word(blocks[..., 2:4])
+        low = blocks[..., 4:8].int()
+        # Sub-block j: 4 low bits from nibble j % 2 of byte j // 2, 2 high bits at 2j of `high`.
+        low = ((low.unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.int32)) & 15).flatten(-2)
+        high = (high.unsqueeze(-1) >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3
+        scales = (low | (high << 4)) - 32
+        # Byte l of a sub-block's 16: weight l (low nibble) and 16 + l (high).
+        qs = blocks[..., 8:].reshape(*blocks.shape[:-1], 8, 1, 16).int()
+        q = ((qs >> torch.tensor([0, 4], dtype=torch.int32).view(2, 1)) & 15).flatten(-2)
+        values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[q.long()]
+        w = (d[..., None] * scales.float())[..., None] * values
     else:
         raise ValueError(f"GGML type {ggml_type} is not a K-quant this module reads")
     return w.reshape(n, -1)
@@ -115,6 +138,36 @@ def kquant_linear(
     placed = torch.empty_like(out)
     placed[..., row_map.long()] = out
     return placed
+
+
+# Rows of weights dequantized at a time for a float product (`dequantized_linear`): small
+# enough to stay in cache between the dequantization and the product, and to be reused memory
+# (a whole projection of an 8B model, 117 MB in bf16, came as fresh pages at every call).
+DEQUANTIZED_CHUNK_BYTES = 8 << 20
+
+
+def dequantized_linear(
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    ggml_type: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ W.T with W's tiles (quill::kquant_pack) dequantized to x's dtype a chunk of rows at a
+    time, each multiplied by PyTorch's float product: for long steps on a machine where that
+    product is faster than the integer tiles (AMX), as measured at load (quill/model/stored.py).
+    """
+    step = max(64, DEQUANTIZED_CHUNK_BYTES // (x.shape[1] * x.element_size()) // 64 * 64)
+    outs = []
+    for first in range(0, out_features, step):
+        count = min(step, out_features - first)
+        w = torch.ops.quill.kquant_tile_dequant(
+            tiles, ggml_type, out_features, x.dtype, first, count
+        )
+        outs.append(
+            F.linear(x, w, None if bias is None else bias[first : first + count].to(x.dtype))
+        )
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 
 def kquant_rows(

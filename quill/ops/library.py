@@ -40,8 +40,9 @@ SOURCES = (
     "logprobs.cpp",
     "kquant.cpp",
     "kquant_tiles.cpp",
+    "kquant_dequant.cpp",
 )
-HEADERS = ("ops.h", "vec.h", "gemm.h", "cache_layout.h", "kquant.h")
+HEADERS = ("ops.h", "vec.h", "gemm.h", "cache_layout.h", "kquant.h", "kquant_tiles.h")
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (
