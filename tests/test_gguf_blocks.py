@@ -197,7 +197,7 @@ def test_auto_makes_the_blocks_the_weights_with_no_float_copy(q8_0_gguf, direct_
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "IQ4_NL"])
 def test_table_rows_dequantize_as_gguf_does(kind):
     """A table in blocks of 32 is looked up where it lies: the rows read are dequantized bit for
     bit as the gguf package dequantizes them (random blocks, zero and extreme scales, every
@@ -224,6 +224,24 @@ def test_table_rows_dequantize_as_gguf_does(kind):
     got = qlinear.dequantize_rows(torch.from_numpy(data), ggml_type, ids, torch.float32)
     want = dequantize(data[ids.numpy()], GGMLQuantizationType[kind]).astype(np.float32)
     assert torch.equal(got, torch.from_numpy(want.reshape(len(ids), -1)))
+    # The blocks as the loader decodes them for the int8 / int4 products: the same values.
+    from quill.model.gguf_loader import decode_blocks
+
+    decoded = decode_blocks(kind, data)
+    if kind in ("Q8_0", "Q5_0", "IQ4_NL"):  # int8 blocks, exactly: codes x the file's d
+        codes, d = decoded
+        assert codes.dtype == torch.int8
+        w = codes.float().reshape(rows, blocks, 32) * d.float()[..., None]
+    else:
+        codes, d, c = decoded
+        w = codes.float().reshape(rows, blocks, 32) * d.float()[..., None] + c.float()[..., None]
+    full = dequantize(data, GGMLQuantizationType[kind]).astype(np.float32).reshape(rows, blocks, 32)
+    if kind == "Q4_0":  # d x code + (-8 d in fp16) against gguf's d x (code - 8): rounding
+        # apart, and -8 d past fp16's range for the extreme scales (no file has them)
+        fits = np.abs(scales) < 8192
+        np.testing.assert_allclose(w.numpy()[fits], full[fits], rtol=1e-6, atol=1e-3)
+    else:
+        assert torch.equal(w, torch.from_numpy(full))
 
 
 def test_auto_looks_the_q8_0_table_up_where_it_lies(q8_0_gguf, float_llm):

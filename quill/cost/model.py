@@ -445,10 +445,11 @@ _PRESET_ALIASES = {
 
 def gguf_bytes_per_param(reader, spec: ModelSpec, float_bytes: float = 2) -> float:
     """The average bytes a read weight takes in a GGUF file as quill serves it: the 2-D
-    tensors of a type quill reads in place (the K-quants), and Q8_0 (taken as stored by its
-    int8 path), at their stored bytes; the rest at `float_bytes`; the input embedding left out
-    unless it is also the head (as params_read_per_pass)."""
-    from quill.ops.gguf_types import NAMES
+    tensors of a type quill reads in place (the K-quants, IQ4_XS), and Q8_0 (taken as stored
+    by its int8 path), at their stored bytes; Q5_0 and IQ4_NL (made int8 blocks) at 34 bytes a
+    block of 32; the rest at `float_bytes`; the input embedding left out unless it is also the
+    head (as params_read_per_pass)."""
+    from quill.ops.gguf_types import INT8_BLOCK_TYPES, NAMES
 
     stored, total, read_bytes = {*NAMES.values(), "Q8_0"}, 0, 0.0
     for t in reader.tensors:
@@ -459,5 +460,6 @@ def gguf_bytes_per_param(reader, spec: ModelSpec, float_bytes: float = 2) -> flo
             numel *= n
         total += numel
         kept = t.tensor_type.name in stored and len(t.shape) == 2
-        read_bytes += t.data.nbytes if kept else numel * float_bytes
+        as_int8 = t.tensor_type.name in INT8_BLOCK_TYPES and len(t.shape) == 2
+        read_bytes += t.data.nbytes if kept else numel * 34 / 32 if as_int8 else numel * float_bytes
     return read_bytes / total if total else float_bytes

@@ -21,7 +21,7 @@ from quill.model.gguf_config import (
 )
 from quill.model.gguf_file import GGUFFile
 from quill.model.stored import StoredTensor
-from quill.ops import kquant
+from quill.ops import kquant, qlinear
 from quill.ops.gguf_types import BLOCK32_TYPES, QUANT_BLOCK_BYTES
 
 # The metadata readers live in the torch-free gguf_config; re-exported for existing callers.
@@ -149,22 +149,18 @@ def gguf_stored_tensors(reader: GGUFFile, config: dict) -> dict[str, StoredTenso
 
 
 def decode_blocks(kind: str, data: np.ndarray) -> tuple[torch.Tensor, ...]:
-    """A tensor's raw blocks -> Q8_0: (codes int8, scales fp16); Q4_x: (codes 0..15, d, c)
-    with w = d * code + c (Q4_1: c = m; Q4_0: c = -8 d), per row and block of 32."""
+    """A tensor's raw blocks -> for the int8 types (Q8_0, Q5_0, IQ4_NL): (codes int8, scales
+    fp16); Q4_x: (codes 0..15, d, c) with w = d * code + c; per row and block of 32
+    (qlinear.block_codes)."""
     rows = data.shape[0]
-    blocks = np.ascontiguousarray(data).reshape(rows, -1, QUANT_BLOCK_BYTES[kind])
-    d = blocks[..., :2].copy().view(np.float16)[..., 0]
-    if kind == "Q8_0":
-        return torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)), (
-            torch.from_numpy(d)
-        )
-    if kind == "Q4_1":
-        c, packed = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
-    else:
-        c, packed = (-8 * d.astype(np.float32)).astype(np.float16), blocks[..., 2:]
-    # Byte j holds element j (low nibble) and element j + 16 (high) of its block.
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
-    return tuple(torch.from_numpy(x) for x in (codes, d, c))
+    with warnings.catch_warnings():  # the map is read-only; block_codes copies what it keeps
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(np.ascontiguousarray(data))
+    codes, d, c = qlinear.block_codes(
+        raw.reshape(rows, -1, QUANT_BLOCK_BYTES[kind]), BLOCK32_TYPES[kind]
+    )
+    codes = codes.reshape(rows, -1)
+    return (codes, d) if c is None else (codes, d, c)
 
 
 @dataclass

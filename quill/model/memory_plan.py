@@ -106,7 +106,7 @@ def plan_memory(
     if gguf:
         from quill.model.gguf_file import GGUFFile
         from quill.ops import gguf_types
-        from quill.ops.gguf_types import QUANT_BLOCK_BYTES
+        from quill.ops.gguf_types import INT8_BLOCK_TYPES, QUANT_BLOCK_BYTES
 
         in_place = keep_stored and device.type == "cpu"
         stored_types = set(gguf_types.NAMES.values()) if in_place else set()
@@ -119,14 +119,18 @@ def plan_memory(
             if t.tensor_type.name in stored_types and len(t.shape) == 2:
                 parts["used as stored"] += t.data.nbytes
                 continue
-            # Q8_0 / Q4_x: int8 / int4 weights made from the blocks alone (about their bytes);
-            # the embedding table is looked up where it lies (a tied head made from its blocks).
+            # Q8_0 / Q4_x: int8 / int4 weights made from the blocks alone (about their bytes;
+            # Q5_0 / IQ4_NL's become int8: 34 bytes a block); the embedding table is looked up
+            # where it lies (a tied head made from its blocks).
             if in_place and t.tensor_type.name in QUANT_BLOCK_BYTES and len(t.shape) == 2:
+                made = (
+                    numel * INT8_BYTES if t.tensor_type.name in INT8_BLOCK_TYPES else t.data.nbytes
+                )
                 if t.name == "token_embd.weight":
                     parts["used as stored"] += t.data.nbytes
-                    parts["int8 copies"] += t.data.nbytes if tied else 0
+                    parts["int8 copies"] += int(made) if tied else 0
                 else:
-                    parts["repacked"] += t.data.nbytes
+                    parts["repacked"] += int(made)
                 continue
             parts["floats"] += numel * dtype_bytes
             if copies and len(t.shape) == 2:

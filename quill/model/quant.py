@@ -23,6 +23,7 @@ from torch import nn
 
 from quill.model.linear import describe_timings, forget_native_weights, time_by_rows
 from quill.ops import library, qlinear
+from quill.ops.gguf_types import INT8_BLOCK_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     ]
 
 
-# The GGUF types each method takes as stored.
-_STORED_TYPES = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}
+# The GGUF types each method takes as stored (Q5_0 and IQ4_NL blocks are int8 blocks exactly).
+_STORED_TYPES = {"int8": tuple(INT8_BLOCK_TYPES), "int4": ("Q4_0", "Q4_1")}
 _METHOD_OF = {kind: method for method, kinds in _STORED_TYPES.items() for kind in kinds}
 
 

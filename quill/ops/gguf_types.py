@@ -13,10 +13,13 @@ BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
 SUPER = 256  # weights per super-block
 
 # Blocks of 32 weights, an fp16 scale each (Q4_1 an fp16 minimum too): the types whose
-# tensors become quill's int8 / int4 products (quill/model/quant.py), bytes a block.
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK32_TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
-BLOCK32_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+# tensors become quill's int8 / int4 products (quill/model/quant.py), bytes a block. Q5_0's
+# codes less 16 and IQ4_NL's table values are whole numbers within int8: their blocks become
+# int8 blocks exactly, with the same scales (no re-quantization).
+Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL = 2, 3, 6, 8, 20
+BLOCK32_TYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q8_0": Q8_0, "IQ4_NL": IQ4_NL}
+BLOCK32_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q8_0: 34, IQ4_NL: 18}
+INT8_BLOCK_TYPES = frozenset({"Q8_0", "Q5_0", "IQ4_NL"})  # by name: those that become int8
 QUANT_BLOCK_BYTES = {name: BLOCK32_BYTES[t] for name, t in BLOCK32_TYPES.items()}  # by name
 
 

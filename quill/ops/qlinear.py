@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from quill.ops import memory
-from quill.ops.gguf_types import BLOCK32_BYTES, Q4_1, Q8_0
+from quill.ops.gguf_types import BLOCK32_BYTES, IQ4_NL, Q4_0, Q4_1, Q5_0, Q8_0
 
 BLOCK = 32
 TILE = 16
@@ -261,23 +261,51 @@ def native_q4_linear(
 # -- Rows of a GGUF table stored in blocks of 32 (an embedding looked up where it lies).
 
 
+# The values IQ4_NL's 4-bit codes stand for (ggml's non-linear table, as IQ4_XS's).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def block_codes(
+    blocks: torch.Tensor, ggml_type: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Blocks of 32 as stored (uint8 [..., blocks, bytes]) -> (codes [..., blocks, 32], d fp16
+    [..., blocks], c fp16 or None) with w = d * code (+ c): Q8_0 its int8 codes; Q5_0 its 5-bit
+    codes less 16 and IQ4_NL its table's values, int8; Q4_1 codes 0..15 with c its minimum,
+    Q4_0 codes 0..15 with c = -8 d."""
+    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+    if ggml_type == Q8_0:
+        return blocks[..., 2:].contiguous().view(torch.int8), d, None
+    packed = blocks[..., {Q4_1: 4, Q5_0: 6}.get(ggml_type, 2) :]
+    # Byte j holds element j (low nibble) and element j + 16 (high) of its block.
+    nibbles = torch.cat([packed & 0x0F, packed >> 4], -1)
+    if ggml_type == Q5_0:  # bit j of the uint32 after d: element j's fifth bit
+        high = blocks[..., 2:6].contiguous().view(torch.int32)
+        bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
+        return (nibbles.to(torch.int32) | (bits << 4)).sub(16).to(torch.int8), d, None
+    if ggml_type == IQ4_NL:
+        return torch.tensor(IQ4_VALUES, dtype=torch.int8)[nibbles.long()], d, None
+    if ggml_type == Q4_1:
+        return nibbles, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    if ggml_type == Q4_0:
+        return nibbles, d, (-8 * d.float()).half()
+    raise ValueError(f"GGML type {ggml_type} is not a type of blocks of 32 read here")
+
+
 def dequantize_rows(
     weight: torch.Tensor, ggml_type: int, ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The rows `ids` of a Q8_0 / Q4_0 / Q4_1 tensor as the file stores it (uint8 [N, bytes per
-    row]) -> [len(ids), K] in `dtype`: w = d * code (Q8_0), d * (code - 8) (Q4_0), d * code + m
-    (Q4_1), computed in fp32 as the gguf package computes them."""
+    """The rows `ids` of a tensor in blocks of 32 as the file stores it (uint8 [N, bytes per
+    row]) -> [len(ids), K] in `dtype`: w = d * code (Q8_0, Q5_0 and IQ4_NL, `block_codes`),
+    d * (code - 8) (Q4_0), d * code + m (Q4_1), computed in fp32 as the gguf package computes
+    them."""
     rows = weight[ids.long()]
     blocks = rows.view(rows.shape[0], -1, BLOCK32_BYTES[ggml_type])
-    d = blocks[..., :2].contiguous().view(torch.float16).float()
-    if ggml_type == Q8_0:
-        w = d * blocks[..., 2:].contiguous().view(torch.int8).float()
+    codes, d, c = block_codes(blocks, ggml_type)
+    d = d.float()[..., None]
+    if ggml_type == Q4_0:
+        w = d * (codes.float() - 8)
+    elif ggml_type == Q4_1:
+        w = d * codes.float() + c.float()[..., None]
     else:
-        packed = blocks[..., 4:] if ggml_type == Q4_1 else blocks[..., 2:]
-        # Byte j holds element j (low nibble) and element j + 16 (high) of its block.
-        codes = torch.cat([packed & 0x0F, packed >> 4], -1).float()
-        if ggml_type == Q4_1:
-            w = d * codes + blocks[..., 2:4].contiguous().view(torch.float16).float()
-        else:
-            w = d * (codes - 8)
+        w = d * codes.float()
     return w.reshape(rows.shape[0], -1).to(dtype)
