@@ -5,6 +5,9 @@
 // that stays in cache and is reused: a whole 8B projection would be new pages at each call). Whether that wins,
 // and from how many rows, is measured at start-up (quill/model/stored.py).
 //
+// Single rows too (quill::kquant_tile_rows): the lookups of an embedding table kept in tiles
+// for its tied head (the file's pages of it let go).
+//
 // The values are the reference's, exactly (quill/ops/kquant.py): (d x scale) x code, less
 // dmin x min where there are mins, in float32, then rounded once to the output dtype.
 #include <ATen/Parallel.h>
@@ -26,11 +29,11 @@ namespace {
 
 using namespace kq;
 
-// One tile's super-block (16 rows from `rows[0]`, `valid` of them real) read value by value.
+// Row r of tile t's super-block s, read value by value into row (the row's K outputs).
 template <int64_t Type, typename T>
-void dequant_scalar(const uint8_t* sb, int t, int valid, T* out, int64_t k, int64_t s) {
+void dequant_row(const uint8_t* sb, int t, int r, T* row, int64_t s) {
   using P = Place<Type>;
-  for (int r = 0; r < valid; ++r) {
+  {
     fp16 dh, mh;
     std::memcpy(&dh, sb + P::d(t) + 2 * r, 2);
     const float d = float(dh);
@@ -39,7 +42,7 @@ void dequant_scalar(const uint8_t* sb, int t, int valid, T* out, int64_t k, int6
       std::memcpy(&mh, sb + P::dmin(t) + 2 * r, 2);
       dmin = float(mh);
     }
-    T* row = out + r * k + s * kSuper;
+    row += s * kSuper;
     for (int j = 0; j < 8; ++j)
       for (int p = 0; p < 4; ++p)
         for (int i = 0; i < 4; ++i) {
@@ -64,6 +67,12 @@ void dequant_scalar(const uint8_t* sb, int t, int valid, T* out, int64_t k, int6
           }
         }
   }
+}
+
+// One tile's super-block (16 rows from out, `valid` of them real) read value by value.
+template <int64_t Type, typename T>
+void dequant_scalar(const uint8_t* sb, int t, int valid, T* out, int64_t k, int64_t s) {
+  for (int r = 0; r < valid; ++r) dequant_row<Type, T>(sb, t, r, out + r * k, s);
 }
 
 #if defined(QUILL_AVX512)
@@ -198,11 +207,34 @@ void dequant_typed(int64_t type, const uint8_t* tiles, int64_t group_bytes, int6
   }
 }
 
-}  // namespace
+// The rows `ids` (of `n`) into out [count, K]: an embedding lookup of a table kept in tiles.
+template <int64_t Type, typename T>
+void rows_of(const uint8_t* tiles, int64_t group_bytes, const int64_t* ids, int64_t count, int64_t supers, T* out) {
+  const int64_t tsb = tile_super_bytes(Type);
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t tile = ids[i] / kTile;
+      const uint8_t* group = tiles + (tile / kGroup) * group_bytes;
+      for (int64_t s = 0; s < supers; ++s)
+        dequant_row<Type, T>(group + s * kGroup * tsb, int(tile % kGroup), int(ids[i] % kTile),
+                             out + i * supers * kSuper, s);
+    }
+  });
+}
 
-at::Tensor kquant_tile_dequant(const at::Tensor& tiles, int64_t type, int64_t out_features, at::ScalarType dtype,
-                               int64_t first, int64_t count) {
-  const char* op = "quill::kquant_tile_dequant";
+template <typename T>
+void rows_typed(int64_t type, const uint8_t* tiles, int64_t group_bytes, const int64_t* ids, int64_t count,
+                int64_t supers, T* out) {
+  switch (type) {
+    case kQ4K: return rows_of<kQ4K, T>(tiles, group_bytes, ids, count, supers, out);
+    case kQ5K: return rows_of<kQ5K, T>(tiles, group_bytes, ids, count, supers, out);
+    case kQ6K: return rows_of<kQ6K, T>(tiles, group_bytes, ids, count, supers, out);
+    default: return rows_of<kIQ4XS, T>(tiles, group_bytes, ids, count, supers, out);
+  }
+}
+
+// The checks both ops make of their tiles; returns the super-blocks a row holds.
+int64_t checked_supers(const at::Tensor& tiles, int64_t type, int64_t out_features, const char* op) {
   const int64_t tsb = tile_super_bytes(type);
   TORCH_CHECK(tsb > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), op,
@@ -212,6 +244,36 @@ at::Tensor kquant_tile_dequant(const at::Tensor& tiles, int64_t type, int64_t ou
   TORCH_CHECK(supers * kGroup * tsb == tiles.size(1), op, ": a group of ", tiles.size(1), " bytes is not whole super-blocks");
   TORCH_CHECK(out_features > 0 && (n_tiles + kGroup - 1) / kGroup == groups, op,
               ": ", groups, " groups of tiles do not hold ", out_features, " rows");
+  return supers;
+}
+
+}  // namespace
+
+at::Tensor kquant_tile_rows(const at::Tensor& tiles, int64_t type, int64_t out_features, const at::Tensor& ids,
+                            at::ScalarType dtype) {
+  const char* op = "quill::kquant_tile_rows";
+  const int64_t supers = checked_supers(tiles, type, out_features, op);
+  at::Tensor idx = ids.to(at::kLong).contiguous();
+  const int64_t count = idx.numel();
+  const int64_t* id = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < out_features, op, ": id ", id[i], " is outside [0, ", out_features, ")");
+  at::Tensor out = at::empty({count, supers * kSuper}, tiles.options().dtype(dtype));
+  const uint8_t* w = tiles.data_ptr<uint8_t>();
+  const int64_t g = tiles.stride(0);
+  switch (dtype) {
+    case at::kFloat: rows_typed(type, w, g, id, count, supers, out.data_ptr<float>()); break;
+    case at::kBFloat16: rows_typed(type, w, g, id, count, supers, reinterpret_cast<bf16*>(out.data_ptr())); break;
+    case at::kHalf: rows_typed(type, w, g, id, count, supers, reinterpret_cast<fp16*>(out.data_ptr())); break;
+    default: TORCH_CHECK(false, op, ": dtype ", dtype, " is not float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+at::Tensor kquant_tile_dequant(const at::Tensor& tiles, int64_t type, int64_t out_features, at::ScalarType dtype,
+                               int64_t first, int64_t count) {
+  const char* op = "quill::kquant_tile_dequant";
+  const int64_t supers = checked_supers(tiles, type, out_features, op);
   if (count < 0) count = out_features - first;
   TORCH_CHECK(first >= 0 && first % kTile == 0 && first + count <= out_features, op, ": rows ", first, " to ",
               first + count, " are not whole tiles' rows of ", out_features);

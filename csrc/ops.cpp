@@ -51,6 +51,7 @@ TORCH_LIBRARY(quill, m) {
       "ScalarType? out_dtype=None) -> Tensor");
   m.def("kquant_rows(Tensor weight, int type, Tensor ids, ScalarType dtype) -> Tensor");
   m.def("kquant_pack(Tensor weight, int type, Tensor? row_order=None) -> Tensor");
+  m.def("kquant_tile_rows(Tensor tiles, int type, int out_features, Tensor ids, ScalarType dtype) -> Tensor");
   m.def("kquant_tile_dequant(Tensor tiles, int type, int out_features, ScalarType dtype, int first=0, int count=-1) -> Tensor");
   m.def(
       "kquant_tile_linear(Tensor x, Tensor tiles, int type, int out_features, Tensor? bias=None, "
@@ -87,6 +88,7 @@ TORCH_LIBRARY_IMPL(quill, CPU, m) {
   m.impl("kquant_rows", &quill::kquant_rows);
   m.impl("kquant_pack", &quill::kquant_pack);
   m.impl("kquant_tile_dequant", &quill::kquant_tile_dequant);
+  m.impl("kquant_tile_rows", &quill::kquant_tile_rows);
   m.impl("kquant_tile_linear", &quill::kquant_tile_linear);
   m.impl("rms_norm", &quill::rms_norm);
   m.impl("add_rms_norm", &quill::add_rms_norm);

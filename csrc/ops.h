@@ -72,6 +72,9 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
 // taken in `row_order` (row n of the result is the weight's row row_order[n]; in order when not
 // given), the last group padded with zero rows: uint8 [ceil(N / 64), bytes per group].
 at::Tensor kquant_pack(const at::Tensor& weight, int64_t type, const std::optional<at::Tensor>& row_order);
+// The rows `ids` of such tiles holding `out_features` rows, dequantized: [len(ids), K].
+at::Tensor kquant_tile_rows(const at::Tensor& tiles, int64_t type, int64_t out_features, const at::Tensor& ids,
+                            at::ScalarType dtype);
 // Rows [first, first + count) of such tiles (count -1: to the end) back as float weights
 // [count, K] in `dtype` (kquant_dequant.cpp).
 at::Tensor kquant_tile_dequant(const at::Tensor& tiles, int64_t type, int64_t out_features, at::ScalarType dtype,

@@ -167,6 +167,12 @@ def test_tiles_dequantize_to_the_files_values_bit_for_bit(ggml_type, n, supers, 
     count = (seed // 7) % (n - first + 1)
     chunk = torch.ops.quill.kquant_tile_dequant(tiles, ggml_type, n, dtype, first, count)
     assert torch.equal(chunk, expected[first : first + count])
+    # Single rows (an embedding table kept in tiles), any order, repeated.
+    ids = torch.randint(0, n, (7,), generator=torch.Generator().manual_seed(seed))
+    rows = kquant.kquant_rows(weight[order], ggml_type, ids.view(1, 7), dtype, tiles)
+    assert rows.shape == (1, 7, supers * 256) and torch.equal(rows[0], expected[ids])
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.quill.kquant_tile_rows(tiles, ggml_type, n, torch.tensor([n]), dtype)
 
 
 @needs_native
@@ -241,6 +247,9 @@ def test_native_ops_pass_opcheck(ggml_type):
     )
     torch.library.opcheck(
         torch.ops.quill.kquant_tile_dequant.default, (tiles, ggml_type, 6, torch.bfloat16, 0, 5)
+    )
+    torch.library.opcheck(
+        torch.ops.quill.kquant_tile_rows.default, (tiles, ggml_type, 6, ids, torch.float32)
     )
 
 

@@ -15,7 +15,8 @@ K-quant products are faster in tiles of 16 rows (csrc/kquant_tiles.cpp; with AVX
 44 GB/s hot; docs/benchmarks.md), so `pack_tiles` repacks them once at load, the values
 unchanged, and lets go of the file's pages they came from: the tiles replace the mapped pages
 rather than sit beside them. The AVX2 library's Q6_K tiles lose at a few rows (31 against 48
-GB/s at one), so there Q6_K stays where it lies; so does a table that is also looked up. IQ4_XS
+GB/s at one), so there Q6_K stays where it lies. A table tied to the head is tiled too (the
+head is ~a fifth of a 1B model's bytes, and read at every step) and looked up in its tiles. IQ4_XS
 tiles win from one row with AVX-512 (60 against 29 GB/s) and from 4 with AVX2 (0.93x at one;
 benchmarks/bench_kquant.py).
 """
@@ -161,7 +162,7 @@ class StoredEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = self.table
         if t.is_kquant:
-            out = kquant.kquant_rows(t.data, t.ggml_type, ids.cpu(), self.dtype)
+            out = kquant.kquant_rows(t.data, t.ggml_type, ids.cpu(), self.dtype, t.tiles)
         else:
             flat = ids.cpu().reshape(-1)
             out = qlinear.dequantize_rows(t.data, t.ggml_type, flat, self.dtype)
@@ -229,19 +230,17 @@ def tiled_types() -> frozenset[int]:
 
 
 def pack_tiles(model: nn.Module, release=None) -> int:
-    """Repack the stored products' parts of `tiled_types()` in tiles (not a table the model
-    also looks up), calling `release(segment)` after each (the file's pages it came from can go).
-    Returns the bytes of tiles made."""
+    """Repack the stored products' parts of `tiled_types()` in tiles (a table tied to the head
+    too: its lookups then read the tiles), calling `release(segment)` after each (the file's
+    pages it came from can go). Returns the bytes of tiles made."""
     import sys
     import time
 
     from tqdm import tqdm
 
-    embed = getattr(model, "embed_tokens", None)
-    looked_up = embed.table.data if isinstance(embed, StoredEmbedding) else None
     tiled = tiled_types()
     todo = [s for m in model.modules() if isinstance(m, StoredLinear) for s in m.segments
-            if s.ggml_type in tiled and s.data is not looked_up and s.tiles is None]  # fmt: skip
+            if s.ggml_type in tiled and s.tiles is None]  # fmt: skip
     total = sum(s.nbytes for s in todo)
     if not todo:
         return 0

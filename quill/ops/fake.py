@@ -123,6 +123,12 @@ def _kquant_tile_dequant(tiles, type, out_features, dtype, first=0, count=-1) ->
     return tiles.new_empty(out_features - first if count < 0 else count, k, dtype=dtype)
 
 
+@torch.library.register_fake("quill::kquant_tile_rows")
+def _kquant_tile_rows(tiles, type, out_features, ids, dtype) -> torch.Tensor:
+    k = tiles.shape[1] // (4 * _TILE_SUPER_BYTES[type]) * 256
+    return tiles.new_empty(ids.numel(), k, dtype=dtype)
+
+
 @torch.library.register_fake("quill::kquant_tile_linear")
 def _kquant_tile_linear(x, tiles, type, out_features, bias=None, out_dtype=None) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features, dtype=out_dtype or x.dtype)

@@ -171,12 +171,20 @@ def dequantized_linear(
 
 
 def kquant_rows(
-    weight: torch.Tensor, ggml_type: int, ids: torch.Tensor, dtype: torch.dtype
+    weight: torch.Tensor,
+    ggml_type: int,
+    ids: torch.Tensor,
+    dtype: torch.dtype,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The rows `ids` of a stored K-quant weight, dequantized: [*ids.shape, K]."""
+    """The rows `ids` of a stored K-quant weight, dequantized: [*ids.shape, K]; read from its
+    `tiles` (quill::kquant_pack, rows in order) when given."""
     flat = ids.reshape(-1)
     if weight.device.type == "cpu" and library.available():
-        out = torch.ops.quill.kquant_rows(weight, ggml_type, flat, dtype)
+        if tiles is not None:
+            out = torch.ops.quill.kquant_tile_rows(tiles, ggml_type, weight.shape[0], flat, dtype)
+        else:
+            out = torch.ops.quill.kquant_rows(weight, ggml_type, flat, dtype)
     else:
         out = dequantize(weight[flat.to(weight.device)], ggml_type).to(dtype)
     return out.reshape(*ids.shape, -1)
