@@ -547,14 +547,16 @@ def test_windowed_layers_between_global_ones_by_hand():
 
 def test_a_gguf_is_priced_at_the_bytes_its_types_store():
     """The mixed fixture (tests/fixtures/make_kquant_fixture.py), worked out by hand from the
-    types' layouts: a row of n inputs takes n / 256 super-blocks of 144 (Q4_K), 176 (Q5_K) or
-    210 (Q6_K) bytes, n / 32 blocks of 34 (Q8_0); Q5_0 and the F32 norms are priced at 2."""
+    types' layouts: a row of n inputs takes n / 256 super-blocks of 144 (Q4_K), 176 (Q5_K),
+    210 (Q6_K) or 136 (IQ4_XS) bytes, n / 32 blocks of 34 (Q8_0, and Q5_0, made int8 blocks);
+    the F32 norms are priced at 2."""
     from pathlib import Path
 
     spec = ModelSpec.from_path(Path(__file__).parent / "fixtures" / "tiny-kquant.gguf")
     table = 49152 * 144  # Q4_K, tied: read whole as the head
     layer0 = 256 * 144 + 128 * 176 + 128 * 210 + 256 * 210 + 512 * 176 + 512 * 144 + 256 * 420
-    layer1 = 256 * 272 + 2 * 128 * 272 + 256 * 144 + 2 * 512 * 144 + 256 * 512 * 2
+    # q, k, v Q8_0; o IQ4_XS; gate Q4_K; up IQ4_XS; down (512 inputs) Q5_0 as int8 blocks
+    layer1 = 256 * 272 + 2 * 128 * 272 + 256 * 136 + 512 * 144 + 512 * 136 + 256 * 544
     norms = 5 * 256 * 2
     attention, mlp = 2 * 256 * 256 + 2 * 128 * 256, 3 * 256 * 512
     params = 49152 * 256 + 2 * (attention + mlp) + 5 * 256
