@@ -233,6 +233,17 @@ void rows_typed(int64_t type, const uint8_t* tiles, int64_t group_bytes, const i
   }
 }
 
+// fn(out's data as float*, bf16* or fp16*): the output dtypes both ops write.
+template <typename Fn>
+void with_output(const at::Tensor& out, const char* op, Fn&& fn) {
+  switch (out.scalar_type()) {
+    case at::kFloat: return fn(out.data_ptr<float>());
+    case at::kBFloat16: return fn(reinterpret_cast<bf16*>(out.data_ptr()));
+    case at::kHalf: return fn(reinterpret_cast<fp16*>(out.data_ptr()));
+    default: TORCH_CHECK(false, op, ": dtype ", out.scalar_type(), " is not float32, bfloat16 or float16");
+  }
+}
+
 // The checks both ops make of their tiles; returns the super-blocks a row holds.
 int64_t checked_supers(const at::Tensor& tiles, int64_t type, int64_t out_features, const char* op) {
   const int64_t tsb = tile_super_bytes(type);
@@ -261,12 +272,7 @@ at::Tensor kquant_tile_rows(const at::Tensor& tiles, int64_t type, int64_t out_f
   at::Tensor out = at::empty({count, supers * kSuper}, tiles.options().dtype(dtype));
   const uint8_t* w = tiles.data_ptr<uint8_t>();
   const int64_t g = tiles.stride(0);
-  switch (dtype) {
-    case at::kFloat: rows_typed(type, w, g, id, count, supers, out.data_ptr<float>()); break;
-    case at::kBFloat16: rows_typed(type, w, g, id, count, supers, reinterpret_cast<bf16*>(out.data_ptr())); break;
-    case at::kHalf: rows_typed(type, w, g, id, count, supers, reinterpret_cast<fp16*>(out.data_ptr())); break;
-    default: TORCH_CHECK(false, op, ": dtype ", dtype, " is not float32, bfloat16 or float16");
-  }
+  with_output(out, op, [&](auto* o) { rows_typed(type, w, g, id, count, supers, o); });
   return out;
 }
 
@@ -281,12 +287,7 @@ at::Tensor kquant_tile_dequant(const at::Tensor& tiles, int64_t type, int64_t ou
   if (count == 0) return out;
   const uint8_t* w = tiles.data_ptr<uint8_t>();
   const int64_t end = first + count, g = tiles.stride(0);
-  switch (dtype) {
-    case at::kFloat: dequant_typed(type, w, g, first, end, supers, out.data_ptr<float>()); break;
-    case at::kBFloat16: dequant_typed(type, w, g, first, end, supers, reinterpret_cast<bf16*>(out.data_ptr())); break;
-    case at::kHalf: dequant_typed(type, w, g, first, end, supers, reinterpret_cast<fp16*>(out.data_ptr())); break;
-    default: TORCH_CHECK(false, op, ": dtype ", dtype, " is not float32, bfloat16 or float16");
-  }
+  with_output(out, op, [&](auto* o) { dequant_typed(type, w, g, first, end, supers, o); });
   return out;
 }
 
