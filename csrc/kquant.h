@@ -119,12 +119,7 @@ void quantize(const T* x, int64_t rows, int64_t k, int64_t stride, const int* or
       const T* row = x + m * stride;
       for (int64_t s = 0; s < supers; ++s) {
         const T* src = row + s * kSuper;
-        vfloat amax = vzero();
-        for (int i = 0; i < kSuper; i += kWidth) {
-          vfloat v = vload(src + i);
-          amax = vmax(amax, vmax(v, vsub(vzero(), v)));
-        }
-        const float scale = vhmax(amax) / 127.0f;
+        const float scale = int8_scale(src, kSuper);
         const vfloat inverse = vset(scale > 0.0f ? 1.0f / scale : 0.0f);
         out.scales[m * supers + s] = scale;
         int8_t* dst = out.codes.data() + m * k + s * kSuper;

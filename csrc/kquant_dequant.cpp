@@ -196,14 +196,14 @@ void dequant_all(const uint8_t* tiles, int64_t group_bytes, int64_t first, int64
   });
 }
 
-template <typename T>
-void dequant_typed(int64_t type, const uint8_t* tiles, int64_t group_bytes, int64_t first, int64_t end,
-                   int64_t supers, T* out) {
+// fn(std::integral_constant<int64_t, type>): the tiled types, as a compile-time constant.
+template <typename Fn>
+void with_type(int64_t type, Fn&& fn) {
   switch (type) {
-    case kQ4K: return dequant_all<kQ4K, T>(tiles, group_bytes, first, end, supers, out);
-    case kQ5K: return dequant_all<kQ5K, T>(tiles, group_bytes, first, end, supers, out);
-    case kQ6K: return dequant_all<kQ6K, T>(tiles, group_bytes, first, end, supers, out);
-    default: return dequant_all<kIQ4XS, T>(tiles, group_bytes, first, end, supers, out);
+    case kQ4K: return fn(std::integral_constant<int64_t, kQ4K>{});
+    case kQ5K: return fn(std::integral_constant<int64_t, kQ5K>{});
+    case kQ6K: return fn(std::integral_constant<int64_t, kQ6K>{});
+    default: return fn(std::integral_constant<int64_t, kIQ4XS>{});
   }
 }
 
@@ -220,17 +220,6 @@ void rows_of(const uint8_t* tiles, int64_t group_bytes, const int64_t* ids, int6
                              out + i * supers * kSuper, s);
     }
   });
-}
-
-template <typename T>
-void rows_typed(int64_t type, const uint8_t* tiles, int64_t group_bytes, const int64_t* ids, int64_t count,
-                int64_t supers, T* out) {
-  switch (type) {
-    case kQ4K: return rows_of<kQ4K, T>(tiles, group_bytes, ids, count, supers, out);
-    case kQ5K: return rows_of<kQ5K, T>(tiles, group_bytes, ids, count, supers, out);
-    case kQ6K: return rows_of<kQ6K, T>(tiles, group_bytes, ids, count, supers, out);
-    default: return rows_of<kIQ4XS, T>(tiles, group_bytes, ids, count, supers, out);
-  }
 }
 
 // fn(out's data as float*, bf16* or fp16*): the output dtypes both ops write.
@@ -272,7 +261,9 @@ at::Tensor kquant_tile_rows(const at::Tensor& tiles, int64_t type, int64_t out_f
   at::Tensor out = at::empty({count, supers * kSuper}, tiles.options().dtype(dtype));
   const uint8_t* w = tiles.data_ptr<uint8_t>();
   const int64_t g = tiles.stride(0);
-  with_output(out, op, [&](auto* o) { rows_typed(type, w, g, id, count, supers, o); });
+  with_type(type, [&](auto t) {
+    with_output(out, op, [&](auto* o) { rows_of<decltype(t)::value>(w, g, id, count, supers, o); });
+  });
   return out;
 }
 
@@ -287,7 +278,9 @@ at::Tensor kquant_tile_dequant(const at::Tensor& tiles, int64_t type, int64_t ou
   if (count == 0) return out;
   const uint8_t* w = tiles.data_ptr<uint8_t>();
   const int64_t end = first + count, g = tiles.stride(0);
-  with_output(out, op, [&](auto* o) { dequant_typed(type, w, g, first, end, supers, o); });
+  with_type(type, [&](auto t) {
+    with_output(out, op, [&](auto* o) { dequant_all<decltype(t)::value>(w, g, first, end, supers, o); });
+  });
   return out;
 }
 

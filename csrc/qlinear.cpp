@@ -78,12 +78,7 @@ void quantize_rows(const T* x, int64_t rows, int64_t k, int64_t stride, bool off
     const T* row = x + m * stride;
     for (int64_t b = 0; b < blocks; ++b) {
       const T* src = row + b * kBlock;
-      vfloat amax = vzero();
-      for (int i = 0; i < kBlock; i += kWidth) {
-        vfloat v = vload(src + i);
-        amax = vmax(amax, vmax(v, vsub(vzero(), v)));
-      }
-      const float scale = vhmax(amax) / 127.0f;
+      const float scale = int8_scale(src, kBlock);
       const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
       out.scales[m * blocks + b] = scale;
       int8_t* dst = out.codes.data() + m * k + b * kBlock;

@@ -153,6 +153,18 @@ inline vfloat vexp2(vfloat x) {
   return vzero_below(x, vmul(p, vpow2i(n)), -126.0f);
 }
 
+// max |x| over n values (n whole vectors) / 127: the scale of an int8 block quantizer (Q8_0's
+// blocks of 32 in qlinear.cpp, Q8_K's super-blocks of 256 in kquant.h).
+template <typename T>
+inline float int8_scale(const T* x, int n) {
+  vfloat amax = vzero();
+  for (int i = 0; i < n; i += kWidth) {
+    const vfloat v = vload(x + i);
+    amax = vmax(amax, vmax(v, vsub(vzero(), v)));
+  }
+  return vhmax(amax) / 127.0f;
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return static_cast<float>(x); }
 inline float to_float(fp16 x) { return static_cast<float>(x); }

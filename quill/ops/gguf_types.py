@@ -11,6 +11,8 @@ Q4_K, Q5_K, Q6_K, IQ4_XS = 12, 13, 14, 23  # GGML's type numbers
 NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
 BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
 SUPER = 256  # weights per super-block
+# The values IQ4_XS's and IQ4_NL's 4-bit codes stand for (ggml's non-linear table).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 # Blocks of 32 weights, an fp16 scale each (Q4_1 an fp16 minimum too): the types whose
 # tensors become quill's int8 / int4 products (quill/model/quant.py), bytes a block. Q5_0's

@@ -18,13 +18,20 @@ import torch
 import torch.nn.functional as F
 
 from quill.ops import library
-from quill.ops.gguf_types import BLOCK_BYTES, IQ4_XS, NAMES, Q4_K, Q5_K, Q6_K, SUPER, type_of
+from quill.ops.gguf_types import (
+    BLOCK_BYTES,
+    IQ4_VALUES,
+    IQ4_XS,
+    NAMES,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    SUPER,
+    type_of,
+)
 from quill.ops.qlinear import quantize_activations
 
 __all__ = ["BLOCK_BYTES", "IQ4_XS", "NAMES", "Q4_K", "Q5_K", "Q6_K", "SUPER", "type_of"]
-
-# The values IQ4_XS's 4-bit codes stand for (ggml's non-linear table).
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def in_features(weight: torch.Tensor, ggml_type: int) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from quill.ops import memory
-from quill.ops.gguf_types import BLOCK32_BYTES, IQ4_NL, Q4_0, Q4_1, Q5_0, Q8_0
+from quill.ops.gguf_types import BLOCK32_BYTES, IQ4_NL, IQ4_VALUES, Q4_0, Q4_1, Q5_0, Q8_0
 
 BLOCK = 32
 TILE = 16
@@ -259,10 +259,6 @@ def native_q4_linear(
 
 
 # -- Rows of a GGUF table stored in blocks of 32 (an embedding looked up where it lies).
-
-
-# The values IQ4_NL's 4-bit codes stand for (ggml's non-linear table, as IQ4_XS's).
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def block_codes(
