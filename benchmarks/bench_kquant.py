@@ -28,8 +28,7 @@ def random_weight(ggml_type: int, rows: int, supers: int, seed: int) -> torch.Te
     rng = np.random.default_rng(seed)
     size = kquant.BLOCK_BYTES[ggml_type]
     raw = rng.integers(0, 256, size=(rows, supers, size), dtype=np.uint8)
-    at = {kquant.Q4_K: [0, 2], kquant.Q5_K: [0, 2], kquant.Q6_K: [208], kquant.IQ4_XS: [0]}
-    for offset in at[ggml_type]:
+    for offset in kquant.FP16_FIELDS[ggml_type]:
         halves = (rng.standard_normal((rows, supers)) * 0.01).astype(np.float16)
         raw[..., offset : offset + 2] = halves.view(np.uint8).reshape(rows, supers, 2)
     return torch.from_numpy(raw.reshape(rows, supers * size))
@@ -69,7 +68,8 @@ def main() -> None:
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
             weight = random_weight(ggml_type, n, k // kquant.SUPER, seed=n + k)
-            tiles = torch.ops.quill.kquant_pack(weight, ggml_type, None)
+            tiled = ggml_type in kquant.TILE_TYPES  # Q2_K, Q3_K: rows only
+            tiles = torch.ops.quill.kquant_pack(weight, ggml_type, None) if tiled else None
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k, dtype=torch.bfloat16)
                 sides = {
@@ -83,6 +83,8 @@ def main() -> None:
                         x, w, t, n
                     ),
                 }
+                if not tiled:
+                    sides = {"rows": sides["rows"]}
                 best = dict.fromkeys(sides, float("inf"))
                 for _ in range(args.rounds):
                     for side, fn in sides.items():

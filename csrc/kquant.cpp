@@ -1,5 +1,5 @@
-// Products with GGUF's K-quant weights read as the file stores them: Q4_K, Q5_K and Q6_K rows
-// of super-blocks of 256 weights, straight from the memory-mapped file (no copy, no repack).
+// Products with GGUF's K-quant weights read as the file stores them: Q2_K to Q6_K and IQ4_XS
+// rows of super-blocks of 256 weights, straight from the memory-mapped file (no copy, no repack).
 //
 // The layouts (ggml's, checked bit for bit against the `gguf` package's dequantizers in
 // tests/test_kquant.py):
@@ -15,6 +15,12 @@
 // - IQ4_XS, 136 bytes: fp16 d, a uint16 and 4 bytes of eight 6-bit sub-block scales (kquant.h),
 //   128 bytes of 4-bit codes; sub-block j is w = d * (ls_j - 32) * K[q], K ggml's table of 16
 //   values. Byte l of the sub-block's 16 holds weight l (low nibble) and 16 + l (high).
+// - Q2_K, 84 bytes: 16 bytes of scales (low nibble) and mins (high), one per 16 weights, 64 bytes
+//   of 2-bit codes, fp16 d, fp16 dmin; w = d * sc * q - dmin * m. In each half of 128 weights,
+//   bits 2j, 2j + 1 of byte l (of 32) are weight 32j + l.
+// - Q3_K, 110 bytes: 32 bytes of third bits (bit i of byte l: weight 32i + l), 64 bytes of 2-bit
+//   codes as Q2_K's, 12 bytes of sixteen 6-bit scales (kquant.h), fp16 d; w = d * (sc - 32) *
+//   (low - 4 where the third bit is clear). Both are read by 32-byte vectors in both libraries.
 //
 // The activations are quantized once per call to int8 per row and super-block (scale =
 // max |x| / 127, rounded half to even), with their sums over each 16 values, as llama.cpp's
@@ -152,6 +158,60 @@ void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m
           isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(abs_lo, _mm256_sign_epi8(load32(a), w_lo)), scale);
           isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(abs_hi, _mm256_sign_epi8(load32(a + 32), w_hi)), scale);
         }
+      }
+    } else if constexpr (Type == kQ2K) {
+      // 2-bit codes, 32 bytes a half of 128: bits 2j of byte l are weight 32j + l. Each group
+      // of 16 has a 4-bit scale (low nibble) and min (high); the mins leave through the sums.
+      const uint8_t* sc = b;
+      d = half_at(b + 80);
+      dmin = half_at(b + 82);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i x = load32(b + 16 + 32 * h);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i q = _mm256_and_si256(_mm256_srli_epi16(x, 2 * j), _mm256_set1_epi8(3));
+          const int g = 8 * h + 2 * j;  // this vector's two groups of 16: g, g + 1
+          const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1] & 0x0F), _mm_set1_epi16(sc[g] & 0x0F));
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = act.row(m0 + r) + s * kSuper + 128 * h + 32 * j;
+            isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(q, load32(a)), scale);
+          }
+        }
+      }
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+      const __m128i mins8 = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+      const __m128i mins_lo = _mm_cvtepu8_epi16(mins8), mins_hi = _mm_cvtepu8_epi16(_mm_srli_si128(mins8, 8));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
+        const float scale = dmin * act.scales[(m0 + r) * supers + s];
+        offsets[r] = min_term(min_term(offsets[r], mins_lo, s16, scale), mins_hi, s16 + 8, scale);
+      }
+    } else if constexpr (Type == kQ3K) {
+      // Q2_K's arrangement of 2-bit codes, and a third bit for weight 32i + l at bit i of byte
+      // l of the 32 before them: u = low | third << 2 in 0..7, w = d * sc * (u - 4); the 4
+      // leaves through the sums, as Q6_K's 32.
+      d = half_at(b + 108);
+      int16_t sc[16];
+      q3k_scales(b + 96, sc);
+      const __m256i third = load32(b);
+      const __m256i one = _mm256_set1_epi8(1);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i x = load32(b + 32 + 32 * h);
+        for (int j = 0; j < 4; ++j) {
+          const int i = 4 * h + j;
+          const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 2 * j), _mm256_set1_epi8(3)),
+                                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(third, i), one), 2));
+          const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = act.row(m0 + r) + s * kSuper + 32 * i;
+            isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(u, load32(a)), scale);
+          }
+        }
+      }
+      const __m256i scales16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc));
+      for (int r = 0; r < R; ++r) {
+        const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16));
+        isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 2));
       }
     } else {  // Q6_K
       const uint8_t* ql = b;
@@ -334,6 +394,18 @@ using RowFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, flo
 template <int64_t Type>
 RowFn row_fn(int rows) {
 #if defined(QUILL_AVX512)
+  if constexpr (Type == kQ2K || Type == kQ3K) {  // 32-byte vectors in both libraries
+    switch (rows) {
+      case 1: return &dot_row<Type, 1>;
+      case 2: return &dot_row<Type, 2>;
+      case 3: return &dot_row<Type, 3>;
+      case 4: return &dot_row<Type, 4>;
+      case 5: return &dot_row<Type, 5>;
+      case 6: return &dot_row<Type, 6>;
+      case 7: return &dot_row<Type, 7>;
+      default: return &dot_row<Type, 8>;
+    }
+  }
   switch (rows) {
     case 1: return &dot_row_512<Type, 1>;
     case 2: return &dot_row_512<Type, 2>;
@@ -359,6 +431,8 @@ RowFn pick(int64_t type, int rows) {
     case kQ4K: return row_fn<kQ4K>(rows);
     case kQ5K: return row_fn<kQ5K>(rows);
     case kIQ4XS: return row_fn<kIQ4XS>(rows);
+    case kQ2K: return row_fn<kQ2K>(rows);
+    case kQ3K: return row_fn<kQ3K>(rows);
     default: return row_fn<kQ6K>(rows);
   }
 }
@@ -374,7 +448,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
                          std::optional<at::ScalarType> out_dtype) {
   const char* op = "quill::kquant_linear";
   const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
+  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, kTypesRead);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, in_features] with contiguous rows");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1, op,
               ": weight must be uint8 [out_features, bytes per row] with contiguous rows");
@@ -395,7 +469,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
   if (rows == 0 || n == 0) return out;
   Activations act;
 #if defined(QUILL_AVX512)
-  const int* order = type == kIQ4XS ? kIQ4Order : type != kQ6K ? kInterleaved : nullptr;
+  const int* order = type == kIQ4XS ? kIQ4Order : type == kQ4K || type == kQ5K ? kInterleaved : nullptr;
 #else
   const int* order = type == kIQ4XS ? kIQ4Order : nullptr;
 #endif
@@ -434,7 +508,7 @@ at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor&
                        at::ScalarType dtype) {
   const char* op = "quill::kquant_rows";
   const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
+  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, kTypesRead);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1, op,
               ": weight must be uint8 [rows, bytes per row] with contiguous rows");
   const int64_t supers = weight.size(1) / bytes, k = supers * kSuper;
@@ -477,7 +551,25 @@ at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor&
               y[32 * j + 16 + l] = scale * float(kIQ4Values[qs[l] >> 4]);
             }
           }
-        } else {
+        } else if (type == kQ2K || type == kQ3K) {
+          // Weight 32i + l: bits 2 (i % 4) of code byte 32 (i / 4) + l; Q3_K's third bit at bit i
+          // of byte l (clear: less 4).
+          const uint8_t* qs = b + (type == kQ2K ? 16 : 32);
+          int16_t sc3[16];
+          if (type == kQ3K) q3k_scales(b + 96, sc3);
+          const float d = half_at(b + (type == kQ2K ? 80 : 108));
+          for (int i = 0; i < 8; ++i)
+            for (int l = 0; l < 32; ++l) {
+              const int low = (qs[32 * (i / 4) + l] >> (2 * (i % 4))) & 3;
+              const int g = (32 * i + l) / 16;
+              if (type == kQ2K) {
+                y[32 * i + l] = d * float(b[g] & 0x0F) * float(low) - half_at(b + 82) * float(b[g] >> 4);
+              } else {
+                const int q = low - (((b[l] >> i) & 1) ? 0 : 4);
+                y[32 * i + l] = d * float(sc3[g]) * float(q);
+              }
+            }
+        } else {  // Q6_K
           const uint8_t* ql = b;
           const uint8_t* qh = b + 128;
           const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);

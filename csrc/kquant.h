@@ -19,7 +19,7 @@ namespace quill {
 namespace kq {
 
 constexpr int kSuper = 256;  // weights per super-block
-enum : int64_t { kQ4K = 12, kQ5K = 13, kQ6K = 14, kIQ4XS = 23 };
+enum : int64_t { kQ2K = 10, kQ3K = 11, kQ4K = 12, kQ5K = 13, kQ6K = 14, kIQ4XS = 23 };
 
 // Bytes of one super-block as the file stores it (0: not a type read here).
 inline int64_t block_bytes(int64_t type) {
@@ -28,6 +28,8 @@ inline int64_t block_bytes(int64_t type) {
     case kQ5K: return 176;
     case kQ6K: return 210;
     case kIQ4XS: return 136;
+    case kQ2K: return 84;
+    case kQ3K: return 110;
     default: return 0;
   }
 }
@@ -46,6 +48,16 @@ inline void iq4xs_scales(const uint8_t* b, int16_t sc[8]) {
   for (int j = 0; j < 8; ++j)
     sc[j] = int16_t((((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4)) - 32);
 }
+
+// Q3_K's sixteen 6-bit scales less 32: the low 4 bits of scale i in nibble i / 8 of byte i % 8,
+// the top 2 at bits 2 (i / 4) of byte 8 + i % 4.
+inline void q3k_scales(const uint8_t* p, int16_t sc[16]) {
+  for (int i = 0; i < 16; ++i)
+    sc[i] = int16_t((((p[i % 8] >> (4 * (i / 8))) & 0x0F) | (((p[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32);
+}
+
+// The error when a type is not one the ops below read.
+constexpr const char* kTypesRead = " is not Q2_K (10), Q3_K (11), Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)";
 
 inline float half_at(const uint8_t* p) {
   fp16 h;

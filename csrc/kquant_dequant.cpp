@@ -236,7 +236,7 @@ void with_output(const at::Tensor& out, const char* op, Fn&& fn) {
 // The checks both ops make of their tiles; returns the super-blocks a row holds.
 int64_t checked_supers(const at::Tensor& tiles, int64_t type, int64_t out_features, const char* op) {
   const int64_t tsb = tile_super_bytes(type);
-  TORCH_CHECK(tsb > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
+  TORCH_CHECK(tsb > 0, op, ": GGML type ", type, kTilesRead);
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), op,
               ": tiles must be contiguous uint8 [groups of 4 tiles, bytes] (quill::kquant_pack)");
   const int64_t supers = tiles.size(1) / (kGroup * tsb), groups = tiles.size(0);

@@ -473,7 +473,7 @@ void store_row(T* dst, const float* src, int64_t n, const float* bias) {
 at::Tensor kquant_pack(const at::Tensor& weight, int64_t type, const std::optional<at::Tensor>& row_order) {
   const char* op = "quill::kquant_pack";
   const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(bytes > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
+  TORCH_CHECK(tile_super_bytes(type) > 0, op, ": GGML type ", type, kTilesRead);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1, op,
               ": weight must be uint8 [rows, bytes per row] with contiguous rows");
   const int64_t n = weight.size(0), supers = weight.size(1) / bytes;
@@ -518,7 +518,7 @@ at::Tensor kquant_tile_linear(const at::Tensor& x, const at::Tensor& tiles, int6
                               std::optional<at::ScalarType> out_dtype) {
   const char* op = "quill::kquant_tile_linear";
   const int64_t tsb = tile_super_bytes(type);
-  TORCH_CHECK(tsb > 0, op, ": GGML type ", type, " is not Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)");
+  TORCH_CHECK(tsb > 0, op, ": GGML type ", type, kTilesRead);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [rows, in_features] with contiguous rows");
   TORCH_CHECK(tiles.dim() == 2 && tiles.scalar_type() == at::kByte && tiles.is_contiguous(), op,
               ": tiles must be contiguous uint8 [groups of 4 tiles, bytes] (quill::kquant_pack)");

@@ -25,6 +25,8 @@ inline int64_t tile_super_bytes(int64_t type) {
   }
 }
 
+constexpr const char* kTilesRead = " is not a type kept in tiles: Q4_K (12), Q5_K (13), Q6_K (14) or IQ4_XS (23)";
+
 constexpr bool has_mins(int64_t type) { return type == kQ4K || type == kQ5K; }
 // Bytes of a tile's scales in a super-block: one per row and sub-block (Q6_K: group of 16).
 constexpr int64_t scale_bytes(int64_t type) { return type == kQ6K ? 256 : 128; }

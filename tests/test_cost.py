@@ -547,16 +547,17 @@ def test_windowed_layers_between_global_ones_by_hand():
 
 def test_a_gguf_is_priced_at_the_bytes_its_types_store():
     """The mixed fixture (tests/fixtures/make_kquant_fixture.py), worked out by hand from the
-    types' layouts: a row of n inputs takes n / 256 super-blocks of 144 (Q4_K), 176 (Q5_K),
-    210 (Q6_K) or 136 (IQ4_XS) bytes, n / 32 blocks of 34 (Q8_0, and Q5_0, made int8 blocks);
-    the F32 norms are priced at 2."""
+    types' layouts: a row of n inputs takes n / 256 super-blocks of 84 (Q2_K), 110 (Q3_K), 144
+    (Q4_K), 176 (Q5_K), 210 (Q6_K) or 136 (IQ4_XS) bytes, n / 32 blocks of 34 (Q8_0, and Q5_0,
+    made int8 blocks); the F32 norms are priced at 2."""
     from pathlib import Path
 
     spec = ModelSpec.from_path(Path(__file__).parent / "fixtures" / "tiny-kquant.gguf")
     table = 49152 * 144  # Q4_K, tied: read whole as the head
-    layer0 = 256 * 144 + 128 * 176 + 128 * 210 + 256 * 210 + 512 * 176 + 512 * 144 + 256 * 420
-    # q, k, v Q8_0; o IQ4_XS; gate Q4_K; up IQ4_XS; down (512 inputs) Q5_0 as int8 blocks
-    layer1 = 256 * 272 + 2 * 128 * 272 + 256 * 136 + 512 * 144 + 512 * 136 + 256 * 544
+    # q Q4_K, k Q5_K, v Q6_K, o Q6_K, gate Q5_K, up Q4_K, down (512 inputs) Q3_K
+    layer0 = 256 * 144 + 128 * 176 + 128 * 210 + 256 * 210 + 512 * 176 + 512 * 144 + 256 * 220
+    # q, k, v Q8_0; o IQ4_XS; gate Q2_K; up IQ4_XS; down (512 inputs) Q5_0 as int8 blocks
+    layer1 = 256 * 272 + 2 * 128 * 272 + 256 * 136 + 512 * 84 + 512 * 136 + 256 * 544
     norms = 5 * 256 * 2
     attention, mlp = 2 * 256 * 256 + 2 * 128 * 256, 3 * 256 * 512
     params = 49152 * 256 + 2 * (attention + mlp) + 5 * 256

@@ -24,6 +24,7 @@ from tests.conftest import NATIVE, run_native_tests_with_avx2
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 TYPES = sorted(kquant.NAMES)
+TILE_TYPES = sorted(kquant.TILE_TYPES)
 EDGE_HALVES = [0.0, 6e-8, -3e-3, 1e-2, 0.5, 65504.0]
 
 
@@ -32,10 +33,7 @@ def random_weight(ggml_type: int, rows: int, supers: int, seed: int, edge: bool 
     rng = np.random.default_rng(seed)
     size = kquant.BLOCK_BYTES[ggml_type]
     raw = rng.integers(0, 256, size=(rows, supers, size), dtype=np.uint8)
-    fields = {kquant.Q4_K: [0, 2], kquant.Q5_K: [0, 2], kquant.Q6_K: [208], kquant.IQ4_XS: [0]}[
-        ggml_type
-    ]
-    for at in fields:
+    for at in kquant.FP16_FIELDS[ggml_type]:
         if edge:
             values = rng.choice(np.array(EDGE_HALVES, dtype=np.float16), size=(rows, supers))
         else:
@@ -119,7 +117,7 @@ def test_native_product_matches_the_references(
 @needs_native
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ggml_type=st.sampled_from(TYPES),
+    ggml_type=st.sampled_from(TILE_TYPES),
     rows=st.integers(1, 130),  # past the activation quantizer's parallel grain (csrc/kquant.h)
     n=st.integers(1, 150),  # partial tiles (16 rows) and groups of tiles (64)
     supers=st.integers(1, 3),
@@ -147,7 +145,7 @@ def test_tiled_product_matches_the_references(ggml_type, rows, n, supers, dtype,
 @needs_native
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ggml_type=st.sampled_from(TYPES),
+    ggml_type=st.sampled_from(TILE_TYPES),
     n=st.integers(1, 150),
     supers=st.integers(1, 3),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
@@ -176,7 +174,7 @@ def test_tiles_dequantize_to_the_files_values_bit_for_bit(ggml_type, n, supers, 
 
 
 @needs_native
-@pytest.mark.parametrize("ggml_type", TYPES, ids=kquant.NAMES.get)
+@pytest.mark.parametrize("ggml_type", TILE_TYPES, ids=kquant.NAMES.get)
 def test_dequantized_product_is_the_float_product(ggml_type, monkeypatch):
     """kquant.dequantized_linear (long steps where the float product measures faster) is x
     times the file's values, a chunk of rows at a time (a small chunk here: several), bias
@@ -200,7 +198,7 @@ def test_tiles_check_their_inputs():
     weight = random_weight(kquant.Q4_K, 20, 2, seed=4)
     tiles = torch.ops.quill.kquant_pack(weight, kquant.Q4_K, None)
     x = torch.randn(2, 512)
-    with pytest.raises(RuntimeError, match="not Q4_K"):
+    with pytest.raises(RuntimeError, match="not a type kept in tiles"):
         torch.ops.quill.kquant_pack(weight, 8, None)
     with pytest.raises(RuntimeError, match="inputs"):
         torch.ops.quill.kquant_tile_linear(torch.randn(2, 256), tiles, kquant.Q4_K, 20, None)
@@ -218,7 +216,7 @@ def test_native_product_in_every_output_dtype_and_errors():
     for dtype in (torch.bfloat16, torch.float16):
         out = torch.ops.quill.kquant_linear(x, weight, kquant.Q4_K, None, None, dtype)
         assert out.dtype == dtype and torch.equal(out, full.to(dtype))
-    with pytest.raises(RuntimeError, match="not Q4_K"):
+    with pytest.raises(RuntimeError, match="not Q2_K"):
         torch.ops.quill.kquant_linear(x, weight, 8, None, None)
     with pytest.raises(RuntimeError, match="inputs"):
         torch.ops.quill.kquant_linear(torch.randn(3, 256), weight, kquant.Q4_K, None, None)
@@ -240,6 +238,10 @@ def test_native_ops_pass_opcheck(ggml_type):
         torch.ops.quill.kquant_rows.default, (weight, ggml_type, ids, torch.float32)
     )
     order = torch.tensor([5, 4, 3, 2, 1, 0])
+    if ggml_type not in kquant.TILE_TYPES:
+        with pytest.raises(RuntimeError, match="not a type kept in tiles"):
+            torch.ops.quill.kquant_pack(weight, ggml_type, order)
+        return
     torch.library.opcheck(torch.ops.quill.kquant_pack.default, (weight, ggml_type, order))
     tiles = torch.ops.quill.kquant_pack(weight, ggml_type, order)
     torch.library.opcheck(

@@ -1,7 +1,7 @@
 """GGUF weights used where they lie (quill/model/stored.py): a tiny Llama quantized by
 llama.cpp's own quantizer into a mix of types (tests/fixtures/make_kquant_fixture.py: Q4_K,
-Q5_K and Q6_K inside one merged projection, IQ4_XS beside Q4_K in another, a Q4_K table tied to
-the head, Q8_0 and Q5_0 beside them), against transformers reading the same file.
+Q5_K and Q6_K inside one merged projection, IQ4_XS beside Q2_K in another, Q3_K, a Q4_K table
+tied to the head, Q8_0 and Q5_0 beside them), against transformers reading the same file.
 
 The stored products quantize their activations to int8 per row and 256 values, as llama.cpp
 does, so their logits are not a float evaluation's: the model is held (1) to the same model
@@ -30,9 +30,12 @@ from tests.conftest import NATIVE, load_in_fresh_process
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-kquant.gguf"
 PROMPTS = [[1, 504, 8870, 2056], list(range(300, 360)), [7, 9]]
-# Teacher-forced logprob distance to transformers' float logits (measured at most 0.77 here:
-# large for a random model whose logits span tens of nats; ~1% of them).
-BOUND = 0.8
+# Teacher-forced logprob distance to transformers' float logits, which activation quantization
+# (int8 per 256 values, as llama.cpp's) moves: on this random model, whose logits span tens of
+# nats, measured at most 1.93 and 0.23 on average over the 48 tokens (the 2- and 3-bit tensors
+# amplify it: at most 0.77 before them). Greedy choices must agree wherever transformers' top
+# two are further apart than GAP (8 such choices here).
+BOUND, MEAN_BOUND, GAP = 2.5, 0.4, 1.6
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 OPTIONS = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20)
 
@@ -105,7 +108,8 @@ def test_the_k_quant_tensors_are_used_as_stored(stored_llm):
                for n in ("o_proj", "gate_up_proj", "down_proj"))  # fmt: skip
     gate_up = model.layers[1].gate_up_proj
     assert isinstance(gate_up, StoredLinear)
-    assert [s.type_name for s in gate_up.segments] == ["Q4_K", "IQ4_XS"]
+    assert [s.type_name for s in gate_up.segments] == ["Q2_K", "IQ4_XS"]
+    assert model.layers[0].down_proj.segments[0].type_name == "Q3_K"
     assert isinstance(model.layers[1].o_proj, StoredLinear)
     assert not isinstance(model.layers[1].qkv_proj, StoredLinear)  # Q8_0: quill's int8 path
     # Q5_0: int8 blocks made from the file's, exactly (codes less 16, the same scales).
@@ -150,21 +154,22 @@ def test_every_stored_product_is_the_kernels_model_of_it(stored_llm, monkeypatch
     monkeypatch.setattr(kquant, "kquant_linear", checked)
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
     stored_llm.generate(PROMPTS, params, use_tqdm=False)
-    assert {name for name, _, _ in seen} == {"Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+    names = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+    assert {name for name, _, _ in seen} == set(names)
     assert max(rows for _, rows, _ in seen) == sum(len(p) for p in PROMPTS)
     # The library's tiled types in tiles, the rest and the looked-up table (Q4_K) in place.
     tiled = {kquant.NAMES[t] for t in tiled_types()}
-    names = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
     want = {(name, name in tiled) for name in names}  # the tied table's head (Q4_K) in tiles too
     assert {(name, tiled) for name, _, tiled in seen} == want
 
 
 def teacher_forced_against(llm, reference) -> int:
     """Each prompt and transformers' greedy continuation scored by `llm`: every token's
-    logprob within BOUND of transformers', and the same greedy choice wherever transformers'
-    top two are further apart than twice it. Returns how many choices were so compared."""
+    logprob within BOUND of transformers' (MEAN_BOUND on average), and the same greedy choice
+    wherever transformers' top two are further apart than GAP. Returns how many choices were
+    so compared."""
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-    checked = 0
+    checked, distances = 0, []
     for ids in PROMPTS:
         full = greedy(reference, ids, 16)
         with torch.inference_mode():
@@ -172,11 +177,13 @@ def teacher_forced_against(llm, reference) -> int:
         scored = llm.generate([full], params, use_tqdm=False)[0].prompt_logprobs
         for pos in range(len(ids), len(full)):
             token = full[pos]
-            assert abs(scored[pos][token] - logits[pos - 1, token].item()) < BOUND
+            distances.append(abs(scored[pos][token] - logits[pos - 1, token].item()))
+            assert distances[-1] < BOUND
             top2 = logits[pos - 1].topk(2).values
-            if top2[0] - top2[1] > 2 * BOUND:
+            if top2[0] - top2[1] > GAP:
                 assert max(scored[pos], key=scored[pos].get) == token
                 checked += 1
+    assert sum(distances) / len(distances) < MEAN_BOUND
     return checked
 
 

@@ -1,5 +1,5 @@
 """Weights used where they lie: linear layers and the embedding read straight from a GGUF
-file's memory map in the type it stores them (the K-quants Q4_K, Q5_K, Q6_K, and IQ4_XS), with
+file's memory map in the type it stores them (the K-quants Q2_K to Q6_K, and IQ4_XS), with
 no float copy at any point.
 
 The loader finds, per model module, the file's tensors whose type has a native kernel
@@ -18,7 +18,7 @@ rather than sit beside them. The AVX2 library's Q6_K tiles lose at a few rows (3
 GB/s at one), so there Q6_K stays where it lies. A table tied to the head is tiled too (the
 head is ~a fifth of a 1B model's bytes, and read at every step) and looked up in its tiles. IQ4_XS
 tiles win from one row with AVX-512 (60 against 29 GB/s) and from 4 with AVX2 (0.93x at one;
-benchmarks/bench_kquant.py).
+benchmarks/bench_kquant.py). Q2_K and Q3_K (Q2_K / Q3_K_M files) have no tiles: read in place.
 """
 
 from __future__ import annotations

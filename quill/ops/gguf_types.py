@@ -7,9 +7,13 @@ super-blocks of 256 weights (layouts: quill/ops/kquant.py, csrc/kquant.cpp).
 
 from __future__ import annotations
 
-Q4_K, Q5_K, Q6_K, IQ4_XS = 12, 13, 14, 23  # GGML's type numbers
-NAMES = {Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
-BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS = 10, 11, 12, 13, 14, 23  # GGML's type numbers
+NAMES = {Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
+BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
+# Where a super-block's fp16 fields (d, and dmin where there are mins) lie, in bytes.
+FP16_FIELDS = {Q2_K: (80, 82), Q3_K: (108,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,), IQ4_XS: (0,)}
+# The types with a tiled kernel (csrc/kquant_tiles.cpp); Q2_K and Q3_K are read in place only.
+TILE_TYPES = frozenset({Q4_K, Q5_K, Q6_K, IQ4_XS})
 SUPER = 256  # weights per super-block
 # The values IQ4_XS's and IQ4_NL's 4-bit codes stand for (ggml's non-linear table).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)

@@ -1,4 +1,4 @@
-"""GGUF's K-quant weights (Q4_K, Q5_K, Q6_K, and IQ4_XS's super-blocks) as the file stores
+"""GGUF's K-quant weights (Q2_K to Q6_K, and IQ4_XS's super-blocks) as the file stores
 them: the native product and lookup (csrc/kquant.cpp), and the PyTorch code they are checked
 against and fall back to.
 
@@ -20,18 +20,35 @@ import torch.nn.functional as F
 from quill.ops import library
 from quill.ops.gguf_types import (
     BLOCK_BYTES,
+    FP16_FIELDS,
     IQ4_VALUES,
     IQ4_XS,
     NAMES,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
     SUPER,
+    TILE_TYPES,
     type_of,
 )
 from quill.ops.qlinear import quantize_activations
 
-__all__ = ["BLOCK_BYTES", "IQ4_XS", "NAMES", "Q4_K", "Q5_K", "Q6_K", "SUPER", "type_of"]
+__all__ = [
+    "BLOCK_BYTES",
+    "FP16_FIELDS",
+    "IQ4_XS",
+    "NAMES",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "SUPER",
+    "TILE_TYPES",
+    "type_of",
+]
 
 
 def in_features(weight: torch.Tensor, ggml_type: int) -> int:
@@ -102,6 +119,31 @@ def dequantize(weight: torch.Tensor, ggml_type: int) -> torch.Tensor:
         q = ((qs >> torch.tensor([0, 4], dtype=torch.int32).view(2, 1)) & 15).flatten(-2)
         values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[q.long()]
         w = (d[..., None] * scales.float())[..., None] * values
+    elif ggml_type in (Q2_K, Q3_K):
+        qs = blocks[..., 16:80] if ggml_type == Q2_K else blocks[..., 32:96]
+        # Per half of 128: bits 2j of byte l (of 32) are weight 32j + l.
+        low = qs.reshape(*qs.shape[:-1], 2, 1, 32).int()
+        low = (low >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(4, 1)) & 3
+        low = low.reshape(*qs.shape[:-1], 16, 16)
+        if ggml_type == Q2_K:
+            packed = blocks[..., 0:16].int()
+            d, dmin = _half(blocks[..., 80:82]), _half(blocks[..., 82:84])
+            scale = d[..., None] * (packed & 15).float()
+            mins = dmin[..., None] * (packed >> 4).float()
+            w = scale[..., None] * low.float() - mins[..., None]
+        else:
+            # Bit i of byte l of the first 32 is weight 32i + l's third bit; clear: less 4.
+            third = blocks[..., 0:32].int().unsqueeze(-2)
+            third = (third >> torch.arange(8, dtype=torch.int32).view(8, 1)) & 1
+            q = low - 4 * (1 - third.reshape(*qs.shape[:-1], 16, 16))
+            # Sixteen 6-bit scales: low 4 bits of scale i in nibble i // 8 of byte i % 8, the top
+            # 2 at bits 2 (i // 4) of byte 8 + i % 4; less 32.
+            packed = blocks[..., 96:108].int()
+            lo = (packed[..., 0:8].unsqueeze(-2) >> torch.tensor([0, 4]).view(2, 1)) & 15
+            hi = (packed[..., 8:12].unsqueeze(-2) >> torch.tensor([0, 2, 4, 6]).view(4, 1)) & 3
+            scales = (lo.flatten(-2) | (hi.flatten(-2) << 4)) - 32
+            d = _half(blocks[..., 108:110])
+            w = (d[..., None] * scales.float())[..., None] * q.float()
     else:
         raise ValueError(f"GGML type {ggml_type} is not a K-quant this module reads")
     return w.reshape(n, -1)
