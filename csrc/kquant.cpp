@@ -190,8 +190,10 @@ void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m
       // l of the 32 before them: u = low | third << 2 in 0..7, w = d * sc * (u - 4); the 4
       // leaves through the sums, as Q6_K's 32.
       d = half_at(b + 108);
-      int16_t sc[16];
-      q3k_scales(b + 96, sc);
+      uint8_t packed[16];
+      q3k_scales(b + 96, packed);
+      const __m256i scales16 = _mm256_sub_epi16(
+          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed))), _mm256_set1_epi16(32));
       const __m256i third = load32(b);
       const __m256i one = _mm256_set1_epi8(1);
       for (int h = 0; h < 2; ++h) {
@@ -200,14 +202,14 @@ void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m
           const int i = 4 * h + j;
           const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 2 * j), _mm256_set1_epi8(3)),
                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(third, i), one), 2));
-          const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
+          const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(int16_t(packed[2 * i + 1] - 32)),
+                                                 _mm_set1_epi16(int16_t(packed[2 * i] - 32)));
           for (int r = 0; r < R; ++r) {
             const int8_t* a = act.row(m0 + r) + s * kSuper + 32 * i;
             isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(u, load32(a)), scale);
           }
         }
       }
-      const __m256i scales16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc));
       for (int r = 0; r < R; ++r) {
         const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
         const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16));
@@ -555,7 +557,7 @@ at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor&
           // Weight 32i + l: bits 2 (i % 4) of code byte 32 (i / 4) + l; Q3_K's third bit at bit i
           // of byte l (clear: less 4).
           const uint8_t* qs = b + (type == kQ2K ? 16 : 32);
-          int16_t sc3[16];
+          uint8_t sc3[16];
           if (type == kQ3K) q3k_scales(b + 96, sc3);
           const float d = half_at(b + (type == kQ2K ? 80 : 108));
           for (int i = 0; i < 8; ++i)
@@ -566,7 +568,7 @@ at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor&
                 y[32 * i + l] = d * float(b[g] & 0x0F) * float(low) - half_at(b + 82) * float(b[g] >> 4);
               } else {
                 const int q = low - (((b[l] >> i) & 1) ? 0 : 4);
-                y[32 * i + l] = d * float(sc3[g]) * float(q);
+                y[32 * i + l] = d * float(int(sc3[g]) - 32) * float(q);
               }
             }
         } else {  // Q6_K
