@@ -20,7 +20,7 @@
 //   bits 2j, 2j + 1 of byte l (of 32) are weight 32j + l.
 // - Q3_K, 110 bytes: 32 bytes of third bits (bit i of byte l: weight 32i + l), 64 bytes of 2-bit
 //   codes as Q2_K's, 12 bytes of sixteen 6-bit scales (kquant.h), fp16 d; w = d * (sc - 32) *
-//   (low - 4 where the third bit is clear). Both are read by 32-byte vectors in both libraries.
+//   (low - 4 where the third bit is clear).
 //
 // The activations are quantized once per call to int8 per row and super-block (scale =
 // max |x| / 127, rounded half to even), with their sums over each 16 values, as llama.cpp's
@@ -190,10 +190,9 @@ void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m
       // l of the 32 before them: u = low | third << 2 in 0..7, w = d * sc * (u - 4); the 4
       // leaves through the sums, as Q6_K's 32.
       d = half_at(b + 108);
-      uint8_t packed[16];
-      q3k_scales(b + 96, packed);
-      const __m256i scales16 = _mm256_sub_epi16(
-          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed))), _mm256_set1_epi16(32));
+      const __m256i scales16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(q3k_scales(b + 96)), _mm256_set1_epi16(32));
+      alignas(16) int8_t sc[16];  // each broadcast below from memory (a vector store, whole)
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc), _mm_sub_epi8(q3k_scales(b + 96), _mm_set1_epi8(32)));
       const __m256i third = load32(b);
       const __m256i one = _mm256_set1_epi8(1);
       for (int h = 0; h < 2; ++h) {
@@ -202,8 +201,7 @@ void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m
           const int i = 4 * h + j;
           const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 2 * j), _mm256_set1_epi8(3)),
                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(third, i), one), 2));
-          const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(int16_t(packed[2 * i + 1] - 32)),
-                                                 _mm_set1_epi16(int16_t(packed[2 * i] - 32)));
+          const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
           for (int r = 0; r < R; ++r) {
             const int8_t* a = act.row(m0 + r) + s * kSuper + 32 * i;
             isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(u, load32(a)), scale);
@@ -341,6 +339,61 @@ void dot_row_512(const uint8_t* w, int64_t supers, const Activations& act, int64
         const __m128i off = _mm_slli_epi32(_mm_madd_epi16(scales16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s32))), 7);
         isum[r] = _mm512_sub_epi32(isum[r], _mm512_zextsi128_si512(off));
       }
+    } else if constexpr (Type == kQ2K || Type == kQ3K) {
+      // A vector is weights 128h + 64p + 0..63 in order: the half's code bytes shifted by 4p
+      // (low 32 bytes) and 4p + 2 (high), so its 128-bit lanes are the groups of 16
+      // 8h + 4p .. 8h + 4p + 3, whose scales are spread across them from one vector of 16.
+      __m256i scales16;
+      const uint8_t* qs = b + (Type == kQ2K ? 16 : 32);
+      __m512i third = _mm512_setzero_si512();
+      if constexpr (Type == kQ2K) {
+        d = half_at(b + 80);
+        dmin = half_at(b + 82);
+        scales16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), _mm_set1_epi8(0x0F)));
+      } else {
+        d = half_at(b + 108);
+        scales16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(q3k_scales(b + 96)), _mm256_set1_epi16(32));
+        third = _mm512_broadcast_i64x4(load32(b));
+      }
+      const __m512i scales = _mm512_castsi256_si512(scales16);
+      const __m512i lane_group = _mm512_setr_epi32(0, 0, 0, 0, 0x00010001, 0x00010001, 0x00010001, 0x00010001,
+          0x00020002, 0x00020002, 0x00020002, 0x00020002, 0x00030003, 0x00030003, 0x00030003, 0x00030003);
+      const __m512i three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i x = _mm512_broadcast_i64x4(load32(qs + 32 * h));
+        for (int p = 0; p < 2; ++p) {
+          const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(int16_t(4 * p)), _mm256_set1_epi16(int16_t(4 * p + 2)), 1);
+          __m512i u = _mm512_and_si512(_mm512_srlv_epi16(x, shifts), three);
+          if constexpr (Type == kQ3K) {
+            // Third bits of weights 32i + l, i = 4h + 2p (low 32 bytes) and 4h + 2p + 1 (high).
+            const int i = 4 * h + 2 * p;
+            const __m512i at = _mm512_inserti64x4(_mm512_set1_epi16(int16_t(i)), _mm256_set1_epi16(int16_t(i + 1)), 1);
+            u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(third, at), one), 2));
+          }
+          const __m512i scale = _mm512_permutexvar_epi16(_mm512_add_epi16(lane_group, _mm512_set1_epi16(int16_t(8 * h + 4 * p))), scales);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* a = act.row(m0 + r) + s * kSuper + 128 * h + 64 * p;
+            isum[r] = _mm512_dpwssd_epi32(isum[r], _mm512_maddubs_epi16(u, load64(a)), scale);
+          }
+        }
+      }
+      if constexpr (Type == kQ2K) {  // the mins: dmin * sum_g m_g * (the sum over group g)
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+        const __m128i mins8 = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+        const __m128i mins_lo = _mm_cvtepu8_epi16(mins8), mins_hi = _mm_cvtepu8_epi16(_mm_srli_si128(mins8, 8));
+        for (int r = 0; r < R; ++r) {
+          const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
+          const float scale = dmin * act.scales[(m0 + r) * supers + s];
+          offsets[r] = min_term(min_term(offsets[r], mins_lo, s16, scale), mins_hi, s16 + 8, scale);
+        }
+      } else {  // the offset of 4: -4 * sum_g sc_g * (the sum over group g)
+        for (int r = 0; r < R; ++r) {
+          const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
+          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16));
+          const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sums, scales16), 2);
+          isum[r] = _mm512_sub_epi32(isum[r], _mm512_zextsi256_si512(off));
+        }
+      }
     } else {  // Q6_K: natural order; 64 bytes of low nibbles a half
       const uint8_t* ql = b;
       const uint8_t* qh = b + 128;
@@ -396,18 +449,6 @@ using RowFn = void (*)(const uint8_t*, int64_t, const Activations&, int64_t, flo
 template <int64_t Type>
 RowFn row_fn(int rows) {
 #if defined(QUILL_AVX512)
-  if constexpr (Type == kQ2K || Type == kQ3K) {  // 32-byte vectors in both libraries
-    switch (rows) {
-      case 1: return &dot_row<Type, 1>;
-      case 2: return &dot_row<Type, 2>;
-      case 3: return &dot_row<Type, 3>;
-      case 4: return &dot_row<Type, 4>;
-      case 5: return &dot_row<Type, 5>;
-      case 6: return &dot_row<Type, 6>;
-      case 7: return &dot_row<Type, 7>;
-      default: return &dot_row<Type, 8>;
-    }
-  }
   switch (rows) {
     case 1: return &dot_row_512<Type, 1>;
     case 2: return &dot_row_512<Type, 2>;
@@ -557,8 +598,8 @@ at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor&
           // Weight 32i + l: bits 2 (i % 4) of code byte 32 (i / 4) + l; Q3_K's third bit at bit i
           // of byte l (clear: less 4).
           const uint8_t* qs = b + (type == kQ2K ? 16 : 32);
-          uint8_t sc3[16];
-          if (type == kQ3K) q3k_scales(b + 96, sc3);
+          alignas(16) uint8_t sc3[16];
+          if (type == kQ3K) _mm_store_si128(reinterpret_cast<__m128i*>(sc3), q3k_scales(b + 96));
           const float d = half_at(b + (type == kQ2K ? 80 : 108));
           for (int i = 0; i < 8; ++i)
             for (int l = 0; l < 32; ++l) {

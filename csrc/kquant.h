@@ -49,17 +49,18 @@ inline void iq4xs_scales(const uint8_t* b, int16_t sc[8]) {
     sc[j] = int16_t((((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4)) - 32);
 }
 
-// Q3_K's sixteen 6-bit scales (to be taken less 32): the low 4 bits of scale i in nibble i / 8
-// of byte i % 8, the top 2 at bits 2 (i / 4) of byte 8 + i % 4; four at a time in 32-bit words.
-inline void q3k_scales(const uint8_t* p, uint8_t sc[16]) {
+// Q3_K's sixteen 6-bit scales (to be taken less 32), as 16 bytes: the low 4 bits of scale i in
+// nibble i / 8 of byte i % 8, the top 2 at bits 2 (i / 4) of byte 8 + i % 4; four at a time in
+// 32-bit words, moved into the vector whole (written to memory as words and read back as one
+// vector, they stalled store forwarding at every super-block).
+inline __m128i q3k_scales(const uint8_t* p) {
   uint32_t a0, a1, t;
   std::memcpy(&a0, p, 4);
   std::memcpy(&a1, p + 4, 4);
   std::memcpy(&t, p + 8, 4);
   const uint32_t low4 = 0x0F0F0F0F, top2 = 0x30303030;
-  const uint32_t words[4] = {(a0 & low4) | ((t << 4) & top2), (a1 & low4) | ((t << 2) & top2),
-                             ((a0 >> 4) & low4) | (t & top2), ((a1 >> 4) & low4) | ((t >> 2) & top2)};
-  std::memcpy(sc, words, 16);
+  return _mm_setr_epi32(int((a0 & low4) | ((t << 4) & top2)), int((a1 & low4) | ((t << 2) & top2)),
+                        int(((a0 >> 4) & low4) | (t & top2)), int(((a1 >> 4) & low4) | ((t >> 2) & top2)));
 }
 
 // The error when a type is not one the ops below read.

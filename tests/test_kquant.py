@@ -194,6 +194,27 @@ def test_dequantized_product_is_the_float_product(ggml_type, monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("ggml_type", TYPES, ids=kquant.NAMES.get)
+def test_dequantized_rows_product_is_the_float_product(ggml_type, monkeypatch):
+    """kquant.dequantized_rows_linear (long steps of a weight kept where it lies) is x times
+    the file's values, rows dequantized a chunk at a time in the file's order and the outputs
+    placed by the row map, bias included: float32 against float64."""
+    monkeypatch.setattr(kquant, "DEQUANTIZED_CHUNK_BYTES", 64 * 512 * 4)
+    weight = random_weight(ggml_type, 150, 2, seed=ggml_type)
+    gen = torch.Generator().manual_seed(ggml_type)
+    x, bias = torch.randn(33, 512, generator=gen), torch.randn(150, generator=gen)
+    row_map = torch.randperm(150, generator=gen).int()
+    out = kquant.dequantized_rows_linear(x, weight, ggml_type, row_map, bias)
+    w = torch.from_numpy(gguf_dequantized(weight, ggml_type)).double()
+    placed = torch.empty_like(w)
+    placed[row_map.long()] = w
+    exact = x.double() @ placed.T + bias.double()
+    magnitude = x.double().abs() @ placed.abs().T + bias.double().abs()
+    assert out.shape == (33, 150)
+    assert ((out.double() - exact).abs() <= 1e-5 * magnitude + 1e-6).all()
+
+
+@needs_native
 def test_tiles_check_their_inputs():
     weight = random_weight(kquant.Q4_K, 20, 2, seed=4)
     tiles = torch.ops.quill.kquant_pack(weight, kquant.Q4_K, None)

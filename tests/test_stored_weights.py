@@ -193,10 +193,11 @@ def test_stored_path_against_transformers_teacher_forced(stored_llm, reference):
 
 @needs_native
 def test_long_steps_by_dequantized_tiles_against_transformers(stored_llm, reference, monkeypatch):
-    """Where the float product measured faster for long steps (AMX), the tiles are dequantized
-    a chunk at a time (kquant.dequantized_linear): forced on for every step here, each such
-    product is the float64 product of the file's values within float32 rounding, every tiled
-    type takes it, and the model stays within the bound of transformers' float evaluation."""
+    """Where the float product measured faster for long steps (AMX), the tiles (or the rows of
+    a type kept where it lies) are dequantized a chunk at a time (kquant.dequantized_linear,
+    dequantized_rows_linear): forced on for every step here, each such product is the float64
+    product of the file's values within float32 rounding, every type takes it, and the model
+    stays within the bound of transformers' float evaluation."""
     native = kquant.dequantized_linear
     seen = set()
 
@@ -209,12 +210,28 @@ def test_long_steps_by_dequantized_tiles_against_transformers(stored_llm, refere
         seen.add(kquant.NAMES[ggml_type])
         return out
 
+    rows_native = kquant.dequantized_rows_linear
+
+    def checked_rows(x, weight, ggml_type, row_map=None, bias=None):
+        out = rows_native(x, weight, ggml_type, row_map, bias)
+        w = kquant.dequantize(weight, ggml_type).double()
+        if row_map is not None:  # file row i is output row row_map[i]
+            placed = torch.empty_like(w)
+            placed[row_map.long()] = w
+            w = placed
+        want = x.double() @ w.T + (0 if bias is None else bias.double())
+        magnitude = x.double().abs() @ w.abs().T
+        assert ((out.double() - want).abs() <= 1e-5 * magnitude + 1e-6).all()
+        seen.add(kquant.NAMES[ggml_type])
+        return out
+
     monkeypatch.setattr(kquant, "dequantized_linear", checked)
+    monkeypatch.setattr(kquant, "dequantized_rows_linear", checked_rows)
     stored = [m for m in stored_llm.engine.runner.model.modules() if isinstance(m, StoredLinear)]
     for m in stored:
         monkeypatch.setattr(m, "dequantize_above", 0)
     assert teacher_forced_against(stored_llm, reference) >= 5
-    assert seen == {kquant.NAMES[t] for t in tiled_types()}
+    assert seen == set(kquant.NAMES.values())  # tiled or not, every type takes it
 
 
 def test_loading_takes_no_more_memory_than_the_file_and_the_floats(tmp_path):

@@ -119,8 +119,12 @@ class StoredLinear(nn.Module):
         )
         for i, s in enumerate(self.segments):
             bias = None if self.bias is None else self.bias[offset : offset + s.rows]
-            if dequantize and s.tiles is not None:
-                outputs.append(kquant.dequantized_linear(x, s.tiles, s.ggml_type, s.rows, bias))
+            if dequantize:
+                if s.tiles is not None:
+                    out = kquant.dequantized_linear(x, s.tiles, s.ggml_type, s.rows, bias)
+                else:
+                    out = kquant.dequantized_rows_linear(x, s.data, s.ggml_type, s.row_map, bias)
+                outputs.append(out)
                 offset += s.rows
                 continue
             fallback = None
@@ -298,13 +302,14 @@ DEQUANTIZED_COUNTS = (16, 32, 64, 128, 256, 512)
 
 @torch.inference_mode()
 def choose_dequantized_products(model: nn.Module, dtype: torch.dtype) -> int:
-    """Time one layer's tiled products against the same tiles dequantized a chunk at a time
-    into PyTorch's float product (kquant.dequantized_linear), here (or once per machine); where
-    the latter is faster from some row count on (AMX's bf16: 2-3x the tiles at 512 rows), every
-    stored product takes it for steps above that count. Costs no memory beyond a chunk.
-    Returns that row count (-1: none)."""
+    """Time one layer's stored products against the same weights dequantized a chunk at a
+    time into PyTorch's float product (kquant.dequantized_linear from the tiles, or
+    dequantized_rows_linear from the rows of a type kept where it lies), here (or once per
+    machine); where the latter is faster from some row count on (AMX's bf16: 2-3x the tiles at
+    512 rows, more against Q3_K's rows), every stored product takes it for steps above that
+    count. Costs no memory beyond a chunk. Returns that row count (-1: none)."""
     layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
-    if not any(s.tiles is not None for m in layer for s in m.segments):
+    if not layer:
         return -1
 
     def dequantized(m):

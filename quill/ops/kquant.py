@@ -206,7 +206,7 @@ def dequantized_linear(
     time, each multiplied by PyTorch's float product: for long steps on a machine where that
     product is faster than the integer tiles (AMX), as measured at load (quill/model/stored.py).
     """
-    step = max(64, DEQUANTIZED_CHUNK_BYTES // (x.shape[1] * x.element_size()) // 64 * 64)
+    step = _dequantized_chunk_rows(x)
     outs = []
     for first in range(0, out_features, step):
         count = min(step, out_features - first)
@@ -217,6 +217,34 @@ def dequantized_linear(
             F.linear(x, w, None if bias is None else bias[first : first + count].to(x.dtype))
         )
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+
+def _dequantized_chunk_rows(x: torch.Tensor) -> int:
+    return max(64, DEQUANTIZED_CHUNK_BYTES // (x.shape[1] * x.element_size()) // 64 * 64)
+
+
+def dequantized_rows_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    ggml_type: int,
+    row_map: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`dequantized_linear` for a weight read where it lies (a type without tiles: Q2_K,
+    Q3_K; Q6_K with AVX2): its rows dequantized a chunk at a time (quill::kquant_rows), in the
+    file's order, the outputs then placed by `row_map` (file row i is output row row_map[i])."""
+    n, step = weight.shape[0], _dequantized_chunk_rows(x)
+    outs = []
+    for first in range(0, n, step):
+        ids = torch.arange(first, min(n, first + step))
+        w = torch.ops.quill.kquant_rows(weight, ggml_type, ids, x.dtype)
+        outs.append(F.linear(x, w))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    if row_map is not None:
+        placed = torch.empty_like(out)
+        placed[:, row_map.long()] = out
+        out = placed
+    return out if bias is None else out + bias.to(out.dtype)
 
 
 def kquant_rows(
