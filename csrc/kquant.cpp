@@ -54,6 +54,7 @@ constexpr int kMaxRows = 8;     // token rows per pass over a weight row
 constexpr int kMaxRows = 4;
 #endif
 constexpr int kRowBlock = 16;   // weight rows a thread keeps in cache over every token group
+constexpr int kAheadRows = 8;   // how far ahead a weight row is prefetched
 
 // Where a super-block's groups of 16 activations are kept (in 16s) so that a vector of codes
 // meets its activations side by side. The AVX-512 kernel reads Q4_K and Q5_K's codes 64 bytes
@@ -528,6 +529,13 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t 
         const int r_count = int(std::min<int64_t>(kMaxRows, rows - m0));
         const RowFn fn = pick(type, r_count);
         for (int64_t j = n0; j < n1; ++j) {
+          // Ask for a row kAheadRows on while this one computes: a decode step's rows come from
+          // memory, not cache, and the hardware prefetchers alone left a Q2_K model's rows at
+          // 8 GB/s (22 hot).
+          if (m0 == 0 && j + kAheadRows < n) {
+            const char* ahead = reinterpret_cast<const char*>(w + (j + kAheadRows) * row_bytes);
+            for (int64_t at = 0; at < row_bytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+          }
           fn(w + j * row_bytes, supers, act, m0, values);
           const int64_t col = map ? map[j] : j;
           const float b = bias_p ? bias_p[j] : 0.0f;
