@@ -75,6 +75,21 @@ inline __m128 min_term(__m128 acc, __m128i mins16, const int16_t* sums32, float 
   return _mm_fmadd_ps(_mm_cvtepi32_ps(dots), _mm_set1_ps(scale), acc);
 }
 
+// Q2_K's mins for R rows: dmin * the row's scale * sum_g m_g * (the row's sum over group g
+// of 16), m_g the high nibbles of the super-block's first 16 bytes.
+template <int R>
+inline void q2k_min_terms(const uint8_t* b, float dmin, const Activations& act, int64_t m0, int64_t s,
+                          int64_t supers, __m128 offsets[R]) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i mins8 = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+  const __m128i mins_lo = _mm_cvtepu8_epi16(mins8), mins_hi = _mm_cvtepu8_epi16(_mm_srli_si128(mins8, 8));
+  for (int r = 0; r < R; ++r) {
+    const int16_t* s16 = act.sums16.data() + ((m0 + r) * supers + s) * 16;
+    const float scale = dmin * act.scales[(m0 + r) * supers + s];
+    offsets[r] = min_term(min_term(offsets[r], mins_lo, s16, scale), mins_hi, s16 + 8, scale);
+  }
+}
+
 inline float hsum4(__m128 s) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -178,14 +193,7 @@ void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m
           }
         }
       }
-      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-      const __m128i mins8 = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
-      const __m128i mins_lo = _mm_cvtepu8_epi16(mins8), mins_hi = _mm_cvtepu8_epi16(_mm_srli_si128(mins8, 8));
-      for (int r = 0; r < R; ++r) {
-        const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
-        const float scale = dmin * act.scales[(m0 + r) * supers + s];
-        offsets[r] = min_term(min_term(offsets[r], mins_lo, s16, scale), mins_hi, s16 + 8, scale);
-      }
+      q2k_min_terms<R>(b, dmin, act, m0, s, supers, offsets);
     } else if constexpr (Type == kQ3K) {
       // Q2_K's arrangement of 2-bit codes, and a third bit for weight 32i + l at bit i of byte
       // l of the 32 before them: u = low | third << 2 in 0..7, w = d * sc * (u - 4); the 4
@@ -379,14 +387,7 @@ void dot_row_512(const uint8_t* w, int64_t supers, const Activations& act, int64
         }
       }
       if constexpr (Type == kQ2K) {  // the mins: dmin * sum_g m_g * (the sum over group g)
-        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-        const __m128i mins8 = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
-        const __m128i mins_lo = _mm_cvtepu8_epi16(mins8), mins_hi = _mm_cvtepu8_epi16(_mm_srli_si128(mins8, 8));
-        for (int r = 0; r < R; ++r) {
-          const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;
-          const float scale = dmin * act.scales[(m0 + r) * supers + s];
-          offsets[r] = min_term(min_term(offsets[r], mins_lo, s16, scale), mins_hi, s16 + 8, scale);
-        }
+        q2k_min_terms<R>(b, dmin, act, m0, s, supers, offsets);
       } else {  // the offset of 4: -4 * sum_g sc_g * (the sum over group g)
         for (int r = 0; r < R; ++r) {
           const int16_t* s16 = act.sums16.data() + (m0 + r) * groups + s * 16;

@@ -12,7 +12,8 @@ from torch import nn
 
 from quill import LLM, SamplingParams
 from quill.model.linear import MergedLinear, set_native_rows
-from quill.model.quant import INT4_GROUP, QuantizedLinear
+from quill.model.quant import INT4_GROUP, QuantizedLinear, keep_block_float_copies
+from quill.ops import qlinear
 from tests.conftest import NATIVE, PROMPTS
 
 
@@ -46,6 +47,28 @@ def test_merged_parts_and_float_fallback_above_max_rows():
     torch.testing.assert_close(torch.cat(parts, -1), reference, atol=0.05, rtol=0.02)
     # Above max_rows the float weight is used: exactly the float module's result.
     assert all(torch.equal(a, b) for a, b in zip(quantized(large), merged(large)))
+
+
+def test_products_made_from_blocks_get_float_copies_within_the_budget():
+    """A product made from a file's blocks alone (no floats loaded) gets a float copy of its
+    blocks' values for steps above max_rows, only within the budget; smaller steps stay int8."""
+    torch.manual_seed(1)
+    codes, scales = qlinear.quantize_q8_0(torch.randn(48, 64))  # the blocks a file holds
+    with torch.device("meta"):  # its floats never loaded
+        meta = MergedLinear(64, [32, 16], bias=False)
+    made = QuantizedLinear(meta, "int8", None, (codes, scales), unloaded=True)
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.ModuleDict({"mlp": made})])
+    assert keep_block_float_copies(model, 4, torch.float32, budget=48 * 64 * 4 - 1) == 0
+    assert made.float_weight is None and made.max_rows is None
+    assert keep_block_float_copies(model, 4, torch.float32, budget=48 * 64 * 4) == 48 * 64 * 4
+    assert torch.equal(made.float_weight, made.dequantized())  # the blocks' values exactly
+    large, small = torch.randn(5, 64), torch.randn(4, 64)
+    want = torch.nn.functional.linear(large, made.float_weight)
+    assert torch.equal(torch.cat(made(large), -1), want)
+    int8 = torch.cat(made(small), -1)
+    made.float_weight = torch.zeros_like(made.float_weight)  # a small step must not read it
+    assert torch.equal(torch.cat(made(small), -1), int8) and int8.abs().sum() > 0
 
 
 @pytest.fixture(scope="module")

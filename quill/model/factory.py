@@ -165,7 +165,7 @@ def _quantize(
     """`unloaded`: parameters loaded only as their GGUF blocks (Q8_0, Q4_x), made int8 / int4
     from them whatever is chosen for the rest."""
     from quill.model.linear import choose_native_rows, choose_split
-    from quill.model.quant import choose_quantization, quantize_model
+    from quill.model.quant import choose_quantization, keep_block_float_copies, quantize_model
     from quill.model.stored import StoredLinear, choose_dequantized_products, keep_float_copies
 
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
@@ -189,7 +189,7 @@ def _quantize(
     if unloaded:
         taken = quantize_model(model, None, head=True, blocks=blocks, unloaded=unloaded)
         log.info(
-            "weights: %d products made from the GGUF file's %s blocks alone, no float copy",
+            "weights: %d products made from the GGUF file's %s blocks alone (no floats loaded)",
             len(taken),
             "/".join(sorted(set(taken.values()))),
         )
@@ -207,6 +207,12 @@ def _quantize(
                 plan.available / (1 << 30),
             )
             max_rows = None
+        if max_rows is not None and unloaded and plan is not None:
+            dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+            budget = int(STORED_COPY_SHARE * plan.available) - plan.parts.get("float copies", 0)
+            copies = keep_block_float_copies(model, max_rows, dtype, budget)
+            plan.weights += copies  # the KV pool is sized from what is left
+            plan.parts["float copies"] = plan.parts.get("float copies", 0) + copies
     if method == "none":
         dtype = next(model.parameters()).dtype
         native_rows = choose_native_rows(model) if device.type == "cpu" else 0

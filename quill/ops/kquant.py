@@ -182,6 +182,11 @@ def kquant_linear(
         return torch.ops.quill.kquant_linear(x, weight, ggml_type, row_map, bias)
     w = fallback if fallback is not None else dequantize(weight, ggml_type)
     out = F.linear(x, w.to(x.device, x.dtype), None if bias is None else bias.to(x.dtype))
+    return placed_by(out, row_map)
+
+
+def placed_by(out: torch.Tensor, row_map: torch.Tensor | None) -> torch.Tensor:
+    """Outputs in a weight's file row order -> in output order (file row i is row_map[i])."""
     if row_map is None:
         return out
     placed = torch.empty_like(out)
@@ -239,11 +244,7 @@ def dequantized_rows_linear(
         ids = torch.arange(first, min(n, first + step))
         w = torch.ops.quill.kquant_rows(weight, ggml_type, ids, x.dtype)
         outs.append(F.linear(x, w))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-    if row_map is not None:
-        placed = torch.empty_like(out)
-        placed[:, row_map.long()] = out
-        out = placed
+    out = placed_by(outs[0] if len(outs) == 1 else torch.cat(outs, 1), row_map)
     return out if bias is None else out + bias.to(out.dtype)
 
 
