@@ -108,6 +108,23 @@ def time_by_rows(
     return results
 
 
+def float_copy_bytes(modules: list, dtype: torch.dtype, budget: int, what: str) -> int | None:
+    """The bytes float copies of `modules` (each with in_ and out_features) take in `dtype`;
+    None, and a line in the log, when that passes `budget`."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    nbytes = sum(m.in_features * m.out_features for m in modules) * size
+    if nbytes <= budget:
+        return nbytes
+    log.info(
+        "weights: no float copy of %s for large steps: it would take %.2f GiB, more than the "
+        "%.2f GiB allowed",
+        what,
+        nbytes / (1 << 30),
+        budget / (1 << 30),
+    )
+    return None
+
+
 def describe_timings(results: list) -> str:
     return ", ".join(f"{rows}: {1e3 * a:.2f}/{1e3 * b:.2f} ms" for rows, a, b in results)
 

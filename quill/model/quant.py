@@ -21,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quill.model.linear import describe_timings, forget_native_weights, time_by_rows
+from quill.model.linear import (
+    describe_timings,
+    float_copy_bytes,
+    forget_native_weights,
+    time_by_rows,
+)
 from quill.ops import library, qlinear
 from quill.ops.gguf_types import INT8_BLOCK_TYPES
 
@@ -195,17 +200,8 @@ def keep_block_float_copies(
     Returns the copies' bytes (0: none kept)."""
     made = [m for layer in model.layers for m in layer.modules()
             if isinstance(m, QuantizedLinear) and m.float_weight is None]  # fmt: skip
-    size = torch.tensor([], dtype=dtype).element_size()
-    nbytes = sum(m.in_features * m.out_features for m in made) * size
-    if not made:
-        return 0
-    if nbytes > budget:
-        log.info(
-            "weights: no float copy of the products made from blocks: %.2f GiB, more than the "
-            "%.2f GiB allowed",
-            nbytes / (1 << 30),
-            budget / (1 << 30),
-        )
+    nbytes = float_copy_bytes(made, dtype, budget, "the products made from blocks")
+    if not made or nbytes is None:
         return 0
     for m in made:
         m.float_weight = m.dequantized()[:, : m.in_features].to(dtype)

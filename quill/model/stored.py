@@ -355,17 +355,11 @@ def keep_float_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> tupl
     stored = [m for layer in model.layers for m in layer.modules() if isinstance(m, StoredLinear)]
     if not stored:
         return -1, 0
-    size = torch.tensor([], dtype=dtype).element_size()
-    nbytes = sum(m.in_features * m.out_features for m in stored) * size
-    if nbytes > budget:
-        log.info(
-            "weights: no float copy of the stored products for large steps: it would take "
-            "%.2f GiB, more than the %.2f GiB allowed",
-            nbytes / (1 << 30),
-            budget / (1 << 30),
-        )
+    from quill.model.linear import ROW_COUNTS, float_copy_bytes
+
+    nbytes = float_copy_bytes(stored, dtype, budget, "the stored products")
+    if nbytes is None:
         return -1, 0
-    from quill.model.linear import ROW_COUNTS
 
     layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
     copies = {}  # of the timed layer, kept if chosen
