@@ -199,9 +199,10 @@ void dot_row(const uint8_t* w, int64_t supers, const Activations& act, int64_t m
       // l of the 32 before them: u = low | third << 2 in 0..7, w = d * sc * (u - 4); the 4
       // leaves through the sums, as Q6_K's 32.
       d = half_at(b + 108);
-      const __m256i scales16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(q3k_scales(b + 96)), _mm256_set1_epi16(32));
+      const __m128i sc8 = _mm_sub_epi8(q3k_scales(b + 96), _mm_set1_epi8(32));  // within int8
+      const __m256i scales16 = _mm256_cvtepi8_epi16(sc8);
       alignas(16) int8_t sc[16];  // each broadcast below from memory (a vector store, whole)
-      _mm_store_si128(reinterpret_cast<__m128i*>(sc), _mm_sub_epi8(q3k_scales(b + 96), _mm_set1_epi8(32)));
+      _mm_store_si128(reinterpret_cast<__m128i*>(sc), sc8);
       const __m256i third = load32(b);
       const __m256i one = _mm256_set1_epi8(1);
       for (int h = 0; h < 2; ++h) {
@@ -609,13 +610,13 @@ at::Tensor kquant_rows(const at::Tensor& weight, int64_t type, const at::Tensor&
           const uint8_t* qs = b + (type == kQ2K ? 16 : 32);
           alignas(16) uint8_t sc3[16];
           if (type == kQ3K) _mm_store_si128(reinterpret_cast<__m128i*>(sc3), q3k_scales(b + 96));
-          const float d = half_at(b + (type == kQ2K ? 80 : 108));
+          const float d = half_at(b + (type == kQ2K ? 80 : 108)), dmin = type == kQ2K ? half_at(b + 82) : 0.0f;
           for (int i = 0; i < 8; ++i)
             for (int l = 0; l < 32; ++l) {
               const int low = (qs[32 * (i / 4) + l] >> (2 * (i % 4))) & 3;
               const int g = (32 * i + l) / 16;
               if (type == kQ2K) {
-                y[32 * i + l] = d * float(b[g] & 0x0F) * float(low) - half_at(b + 82) * float(b[g] >> 4);
+                y[32 * i + l] = d * float(b[g] & 0x0F) * float(low) - dmin * float(b[g] >> 4);
               } else {
                 const int q = low - (((b[l] >> i) & 1) ? 0 : 4);
                 y[32 * i + l] = d * float(int(sc3[g]) - 32) * float(q);

@@ -229,8 +229,8 @@ def tiled_types() -> frozenset[int]:
 
     native = library.load()
     if native is not None and native.isa == "avx512":
-        return frozenset({kquant.Q4_K, kquant.Q5_K, kquant.Q6_K, kquant.IQ4_XS})
-    return frozenset({kquant.Q4_K, kquant.Q5_K, kquant.IQ4_XS})
+        return kquant.TILE_TYPES
+    return kquant.TILE_TYPES - {kquant.Q6_K}
 
 
 def pack_tiles(model: nn.Module, release=None) -> int:
