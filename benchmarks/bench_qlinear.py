@@ -10,7 +10,9 @@ runs its own weights in turn, alternating round by round, best of the rounds:
 - `q8`: quill::q8_linear (csrc/qlinear.cpp), 34 + 2 bytes per 32 weights (one row reads 34:
   it needs no code sums);
 - `q4`: quill::q4_linear, Q4_1's 16 + 4 bytes per 32 weights;
+- `q5`: quill::q5_linear, Q5_1's codes one a byte, 32 + 4 bytes per 32 weights;
 - `dense`: quill::dense_linear (csrc/dense.cpp) on bf16 weights as stored, 2 bytes per weight;
+- `f16`: quill::dense_linear on fp16 weights (a GGUF file's F16 tensors, read where they lie);
 - `bf16`: F.linear on bf16 weights (PyTorch's CPU GEMM, oneDNN / MKL), 2 bytes per weight;
 - `int8pack`: torch._weight_int8pack_mm (per-channel int8, bf16 activations), the kernel
   quill's int8 used before its own.
@@ -64,15 +66,24 @@ class Side:
                     t.numel() * t.element_size()
                     for t in (packed.codes, packed.scales, packed.offsets)
                 )
-            elif name in ("bf16", "dense"):
-                self.weights.append(w.bfloat16())
+            elif name == "q5":
+                codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+                d = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+                packed = qlinear.pack_q5(codes, d, -16 * d)
+                self.weights.append(packed)
+                self.bytes += sum(
+                    t.numel() * t.element_size()
+                    for t in (packed.codes, packed.scales, packed.offsets)
+                )
+            elif name in ("bf16", "dense", "f16"):
+                self.weights.append(w.half() if name == "f16" else w.bfloat16())
                 self.bytes += n * k * 2
             else:
                 scales = w.abs().amax(1) / 127
                 codes = torch.round(w / scales[:, None]).to(torch.int8)
                 self.weights.append((codes, scales.bfloat16()))
                 self.bytes += n * k + n * 2
-        if name in ("q8", "q4"):
+        if name in ("q8", "q4", "q5"):
             qlinear.move_to_huge_pages(self.weights)  # as the engine keeps them
 
     def bytes_read(self, rows: int) -> int:
@@ -84,7 +95,9 @@ class Side:
                 qlinear.native_q8_linear(inputs[w.in_features], w)
             elif self.name == "q4":
                 qlinear.native_q4_linear(inputs[w.in_features], w)
-            elif self.name == "dense":
+            elif self.name == "q5":
+                qlinear.native_q5_linear(inputs[w.in_features], w)
+            elif self.name in ("dense", "f16"):
                 torch.ops.quill.dense_linear(inputs[w.shape[1]], w)
             elif self.name == "bf16":
                 F.linear(inputs[w.shape[1]], w)

@@ -216,6 +216,8 @@ def gguf_files(name: str, types: list[str], num_layers: int | None = None) -> di
             )  # fmt: skip
             os.replace(str(source) + ".tmp", source)
     for t in missing:
+        if paths[t].is_file():  # BF16: the converter's own output
+            continue
         print(f"real_shapes: llama-quantize -> {paths[t].name}", flush=True)
         subprocess.run(
             [str(quantize), str(source), str(paths[t]) + ".tmp", t, str(os.cpu_count() or 1)],

@@ -45,6 +45,9 @@ TORCH_LIBRARY(quill, m) {
   m.def(
       "q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias=None, "
       "ScalarType? out_dtype=None) -> Tensor");
+  m.def(
+      "q5_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias=None, "
+      "ScalarType? out_dtype=None) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
   m.def(
       "kquant_linear(Tensor x, Tensor weight, int type, Tensor? row_map=None, Tensor? bias=None, "
@@ -83,6 +86,7 @@ TORCH_LIBRARY_IMPL(quill, CPU, m) {
   m.impl("read_probe", &quill::read_probe);
   m.impl("q8_linear", &quill::q8_linear);
   m.impl("q4_linear", &quill::q4_linear);
+  m.impl("q5_linear", &quill::q5_linear);
   m.impl("dense_linear", &quill::dense_linear);
   m.impl("kquant_linear", &quill::kquant_linear);
   m.impl("kquant_rows", &quill::kquant_rows);

@@ -59,6 +59,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                      std::optional<at::ScalarType> out_dtype);
 
+// The same with 5-bit codes and an offset (GGUF's Q5_1): codes 0..31 one a byte, in q8_linear's
+// layout [N/16, K/4, 16, 4], scales d and offsets c as q4_linear's: w = d * code + c.
+at::Tensor q5_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
+                     std::optional<at::ScalarType> out_dtype);
+
 // x [rows, K] (fp32, bf16 or fp16) times a weight stored in a GGUF K-quant type (`type`: GGML's
 // number, 12 Q4_K, 13 Q5_K, 14 Q6_K) as the file lays it out: uint8 [N, bytes per row], rows of
 // super-blocks of 256 (kquant.cpp). Output column row_map[n] (n when not given) gets row n's

@@ -1,5 +1,5 @@
 // Products with quantized weights in blocks of 32 for steps of a few token rows: int8 (GGUF's
-// Q8_0) and 4-bit (GGUF's Q4_0 and Q4_1).
+// Q8_0), 4-bit (GGUF's Q4_0 and Q4_1) and 5-bit codes with an offset (GGUF's Q5_1).
 //
 // A decode step reads every weight once for a handful of rows, so its time is the weights'
 // bytes: the kernels stream them once per pass and keep up to kMaxRows token rows in
@@ -17,13 +17,16 @@
 //   inputs 8p + i (low nibble) and 8p + 4 + i (high nibble) of the block; per (tile, block) 16
 //   fp16 scales d and 16 fp16 offsets c: w = d * code + c (Q4_1: c = min; Q4_0: c = -8 d).
 //   A block's product is d * sum(code * a) + c * sum(a).
+// - Q5: codes 0..31 one a byte, laid out as Q8's, with Q4's fp16 d and c: w = d * code + c
+//   (Q5_1: c = min), a block's product as Q4's.
 //
 // AVX-512 VNNI (vpdpbusd: u8 x s8, four products into each int32 lane): Q8 takes the activation
 // in as u8 = q + 128 and takes 128 x the block's code sum off afterwards (exact in int32), or,
 // for a single row, |q| against w with q's sign (no sums read; codes are in -127..127, which
-// quill/ops/qlinear.py's pack keeps); Q4's codes are the u8 operand as they are. AVX2 (vpmaddubsw: u8 x s8 into saturating int16 pairs):
-// Q8 multiplies |w| by q with w's sign, whose pair sums stay within 2 x 127 x 127 (no
-// saturation); Q4 multiplies the codes (at most 2 x 15 x 127); then vpmaddwd into int32. The
+// quill/ops/qlinear.py's pack keeps); Q4's and Q5's codes are the u8 operand as they are. AVX2
+// (vpmaddubsw: u8 x s8 into saturating int16 pairs): Q8 multiplies |w| by q with w's sign, whose
+// pair sums stay within 2 x 127 x 127 (no saturation); Q4 and Q5 multiply the codes (at most
+// 2 x 31 x 127); then vpmaddwd into int32. The
 // integer part is exact everywhere, so the libraries agree up to the order of the fp32 sums.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -56,6 +59,10 @@ struct Q8 {
 };
 struct Q4 {
   static constexpr int64_t kBlockBytes = kBlock * kTile / 2;
+  static constexpr bool kOffsetActivations = false;
+};
+struct Q5 {
+  static constexpr int64_t kBlockBytes = kBlock * kTile;
   static constexpr bool kOffsetActivations = false;
 };
 
@@ -134,6 +141,15 @@ inline void block_dots(const uint8_t* block, int64_t tile_bytes, const Quantized
       for (int j = 0; j < T; ++j) {
         __m512i w = _mm512_loadu_si512(block + j * tile_bytes + g * 64);
         for (int r = 0; r < R; ++r) dots[j][r] = _mm512_dpbusd_epi32(dots[j][r], a[r], w);
+      }
+    }
+  } else if constexpr (std::is_same_v<F, Q5>) {
+    for (int g = 0; g < kBlock / 4; ++g) {
+      __m512i a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm512_set1_epi32(four_codes(act, a0 + r * k + g * 4));
+      for (int j = 0; j < T; ++j) {
+        __m512i w = _mm512_loadu_si512(block + j * tile_bytes + g * 64);
+        for (int r = 0; r < R; ++r) dots[j][r] = _mm512_dpbusd_epi32(dots[j][r], w, a[r]);
       }
     }
   } else {
@@ -228,6 +244,14 @@ void half_tile_rows(const uint8_t* codes, const fp16* scales, const fp16* offset
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
         }
       }
+    } else if constexpr (std::is_same_v<F, Q5>) {
+      for (int g = 0; g < kBlock / 4; ++g) {
+        __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64));
+        for (int r = 0; r < R; ++r) {
+          __m256i a = _mm256_set1_epi32(four_codes(act, a0 + r * k + g * 4));
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, a), ones));
+        }
+      }
     } else {
       const __m256i low4 = _mm256_set1_epi8(0x0F);
       for (int p = 0; p < kBlock / 8; ++p) {
@@ -248,7 +272,7 @@ void half_tile_rows(const uint8_t* codes, const fp16* scales, const fp16* offset
       const float a_scale = act.scales[(row0 + r) * blocks + b];
       __m256 d = _mm256_mul_ps(wscale, _mm256_set1_ps(a_scale));
       sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), d, sum[r]);
-      if constexpr (std::is_same_v<F, Q4>) {
+      if constexpr (!std::is_same_v<F, Q8>) {
         __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(offsets + meta)));
         const float a_sum = a_scale * act.sums[(row0 + r) * blocks + b];
         sum[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(a_sum), sum[r]);
@@ -264,7 +288,7 @@ template <typename F, int R, int T>
 void tile_rows(const uint8_t* codes, const fp16* scales, const void* extra, int64_t k,
                const QuantizedRows& act, int64_t row0, float* out[]) {
   static_assert(T == 1, "the AVX2 kernel does one tile at a time");
-  const fp16* offsets = std::is_same_v<F, Q4> ? static_cast<const fp16*>(extra) : nullptr;
+  const fp16* offsets = std::is_same_v<F, Q8> ? nullptr : static_cast<const fp16*>(extra);
   float* upper[R];
   for (int r = 0; r < R; ++r) upper[r] = out[r] + 8;
   half_tile_rows<F, R>(codes, scales, offsets, k, act, row0, out);
@@ -412,6 +436,24 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   check_meta(op, sums, at::kShort, tiles * kTile, k, "sums");
   return quantized_linear<Q8>(op, x, reinterpret_cast<const uint8_t*>(codes.data_ptr()),
                               reinterpret_cast<const fp16*>(scales.data_ptr()), sums.data_ptr(),
+                              tiles, bias, out_dtype);
+}
+
+at::Tensor q5_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
+                     std::optional<at::ScalarType> out_dtype) {
+  const char* op = "quill::q5_linear";
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [rows, in_features], got ", x.sizes());
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kTile && codes.size(3) == 4 &&
+                  codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              op, ": codes must be contiguous uint8 [N/16, K/4, 16, 4], got ", codes.sizes());
+  const int64_t k = x.size(1), tiles = codes.size(0);
+  TORCH_CHECK(codes.size(1) * 4 == k && k % kBlock == 0, op, ": x has ", k, " inputs, the weight ",
+              codes.size(1) * 4, " (a multiple of 32 is needed)");
+  check_meta(op, scales, at::kHalf, tiles * kTile, k, "scales");
+  check_meta(op, offsets, at::kHalf, tiles * kTile, k, "offsets");
+  return quantized_linear<Q5>(op, x, codes.data_ptr<uint8_t>(),
+                              reinterpret_cast<const fp16*>(scales.data_ptr()), offsets.data_ptr(),
                               tiles, bias, out_dtype);
 }
 

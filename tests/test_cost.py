@@ -212,9 +212,15 @@ def test_spec_from_the_default_models_gguf_is_the_preset():
     from quill.model.default_model import default_gguf_path
 
     spec = ModelSpec.from_path(default_gguf_path())
-    # Its shape; its bytes are its head's Q8_0 (as stored) and 2 for the rest.
     assert _shape(dataclasses.replace(spec, bytes_per_param=2)) == _shape(SMOL)
-    assert 1.8 < spec.bytes_per_param < 2
+    # Its bytes as quill serves it: the layers' Q4_1 blocks as int4 (20 bytes a block of 32),
+    # the tied table's Q8_0 as the int8 head (34), the norms at 2. By hand: 30 layers of
+    # 2 x 576^2 (q, o) + 2 x 576 x 192 (k, v) + 3 x 576 x 1536 (gate, up, down) = 106,168,320
+    # weights, the table 49,152 x 576 = 28,311,552, the norms 576 x 61 = 35,136.
+    layers, table, norms = 106_168_320, 28_311_552, 35_136
+    assert spec.num_params == layers + table + norms
+    want = (layers * 20 / 32 + table * 34 / 32 + norms * 2) / spec.num_params
+    assert spec.bytes_per_param == pytest.approx(want, rel=1e-12)  # 0.717
 
 
 def test_gguf_loader_still_exports_the_metadata_readers():

@@ -115,7 +115,8 @@ def test_native_random_shapes(n, k_blocks, rows, dtype, out_dtype, with_bias, se
 
 
 def _check_q4(x, packed, bias=None, out_dtype=None) -> None:
-    got = qlinear.native_q4_linear(x, packed, bias, out_dtype)
+    native = qlinear.native_q5_linear if isinstance(packed, qlinear.PackedQ5) else None
+    got = (native or qlinear.native_q4_linear)(x, packed, bias, out_dtype)
     want = qlinear.reference_q4_linear(x, packed, bias)
     assert got.dtype == (out_dtype or x.dtype) and got.shape == want.shape
     codes, d, c = packed.unpack()
@@ -180,6 +181,58 @@ def test_native_q4_linear_passes_opcheck():
     packed = qlinear.pack_q4(*qlinear.quantize_q4_1(_weight(32, 64, 7)))
     args = (torch.randn(3, 64), packed.codes, packed.scales, packed.offsets, None, None)
     torch.library.opcheck(torch.ops.quill.q4_linear.default, args)
+
+
+def _q5_1(w: torch.Tensor) -> qlinear.PackedQ5:
+    """`w` quantized by the gguf package's Q5_1 quantizer, its blocks decoded as the loader does."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from quill.model.gguf_loader import decode_blocks
+
+    return qlinear.pack_q5(*decode_blocks("Q5_1", quantize(w.numpy(), GGMLQuantizationType.Q5_1)))
+
+
+def test_q5_pack_round_trip_equals_gguf():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from quill.model.gguf_loader import decode_blocks
+
+    w = _weight(40, 96, 5)
+    blocks = quantize(w.numpy(), GGMLQuantizationType.Q5_1)
+    codes, d, c = decode_blocks("Q5_1", blocks)
+    assert codes.dtype == torch.uint8 and codes.max() <= 31
+    packed = qlinear.pack_q5(codes, d, c)
+    assert all(torch.equal(a, b) for a, b in zip(packed.unpack(), (codes, d, c)))
+    want = dequantize(blocks, GGMLQuantizationType.Q5_1)
+    assert torch.equal(packed.dequantized(), torch.from_numpy(want))
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    k_blocks=st.integers(1, 50),
+    rows=st.integers(1, 64),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_native_q5_random_shapes(n, k_blocks, rows, dtype, with_bias, seed):
+    k = 32 * k_blocks
+    g = torch.Generator().manual_seed(seed)
+    packed = _q5_1(torch.randn(n, k, generator=g))
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    _check_q4(x, packed, bias)
+
+
+@needs_native
+def test_native_q5_linear_passes_opcheck():
+    packed = _q5_1(_weight(32, 64, 7))
+    args = (torch.randn(3, 64), packed.codes, packed.scales, packed.offsets, None, None)
+    torch.library.opcheck(torch.ops.quill.q5_linear.default, args)
 
 
 @needs_native

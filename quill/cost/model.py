@@ -445,13 +445,13 @@ _PRESET_ALIASES = {
 
 def gguf_bytes_per_param(reader, spec: ModelSpec, float_bytes: float = 2) -> float:
     """The average bytes a read weight takes in a GGUF file as quill serves it: the 2-D
-    tensors of a type quill reads in place (the K-quants, IQ4_XS), and Q8_0 (taken as stored
-    by its int8 path), at their stored bytes; Q5_0 and IQ4_NL (made int8 blocks) at 34 bytes a
-    block of 32; the rest at `float_bytes`; the input embedding left out unless it is also the
-    head (as params_read_per_pass)."""
-    from quill.ops.gguf_types import INT8_BLOCK_TYPES, NAMES
+    tensors of a type quill reads in place (the K-quants, IQ4_XS, F32 / F16 / BF16) at their
+    stored bytes; those in blocks of 32 as the product made from them reads them (Q8_0, Q5_0,
+    IQ4_NL as int8: 34 bytes a block; Q4_x 20; Q5_1 36); the rest at `float_bytes`; the input
+    embedding left out unless it is also the head (as params_read_per_pass)."""
+    from quill.ops.gguf_types import FLOAT_TYPES, MADE_BLOCK_BYTES, NAMES
 
-    stored, total, read_bytes = {*NAMES.values(), "Q8_0"}, 0, 0.0
+    stored, total, read_bytes = {*NAMES.values(), *FLOAT_TYPES}, 0, 0.0
     for t in reader.tensors:
         if t.name == "token_embd.weight" and not spec.tie_word_embeddings:
             continue
@@ -459,7 +459,11 @@ def gguf_bytes_per_param(reader, spec: ModelSpec, float_bytes: float = 2) -> flo
         for n in t.shape:
             numel *= n
         total += numel
-        kept = t.tensor_type.name in stored and len(t.shape) == 2
-        as_int8 = t.tensor_type.name in INT8_BLOCK_TYPES and len(t.shape) == 2
-        read_bytes += t.data.nbytes if kept else numel * 34 / 32 if as_int8 else numel * float_bytes
+        kind = t.tensor_type.name if len(t.shape) == 2 else None
+        if kind in stored:
+            read_bytes += t.data.nbytes
+        elif kind in MADE_BLOCK_BYTES:
+            read_bytes += numel * MADE_BLOCK_BYTES[kind] / 32
+        else:
+            read_bytes += numel * float_bytes
     return read_bytes / total if total else float_bytes

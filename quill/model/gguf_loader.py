@@ -22,7 +22,7 @@ from quill.model.gguf_config import (
 from quill.model.gguf_file import GGUFFile
 from quill.model.stored import StoredTensor
 from quill.ops import kquant, qlinear
-from quill.ops.gguf_types import BLOCK32_TYPES, QUANT_BLOCK_BYTES
+from quill.ops.gguf_types import BLOCK32_TYPES, FLOAT_TYPES, QUANT_BLOCK_BYTES
 
 # The metadata readers live in the torch-free gguf_config; re-exported for existing callers.
 __all__ = [
@@ -122,20 +122,24 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
 
 def gguf_stored_tensors(reader: GGUFFile, config: dict) -> dict[str, StoredTensor]:
     """Hugging Face name -> the tensor as the file stores it, for every 2-D weight in a type a
-    native kernel reads in place (quill/ops/kquant.py): views of the memory map, nothing read."""
+    native kernel reads in place (quill/ops/kquant.py; floats by quill/model/stored.py's
+    float_linear): views of the memory map, nothing read."""
     arch = gguf_architecture(reader)
     out = {}
     for t in reader.tensors:
-        ggml_type = kquant.type_of(t.tensor_type.name)
+        kind = t.tensor_type.name
+        ggml_type = kquant.type_of(kind)
+        if ggml_type is None:
+            ggml_type = FLOAT_TYPES.get(kind)  # F32 / F16 / BF16: read by the float products
         name = _hf_name(t.name, arch)
         if t.name == "token_embd.weight" and ggml_type is None:
             # A table in blocks of 32 is looked up as stored too (its products are int8 / int4).
-            ggml_type = BLOCK32_TYPES.get(t.tensor_type.name)
+            ggml_type = BLOCK32_TYPES.get(kind)
         if ggml_type is None or name is None or t.data.ndim != 2 or not name.endswith(".weight"):
             continue
         with warnings.catch_warnings():  # the map is read-only, and is only ever read
             warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(t.data)
+            data = torch.from_numpy(t.data.view(np.uint8))  # floats: their bytes, as blocks
         row_map = None
         kind = t.name.split(".")[-2]
         if arch == "llama" and kind in ("attn_q", "attn_k"):

@@ -200,8 +200,8 @@ def _native_layer_weights(layer: DecoderLayer) -> tuple | None:
         return None
     weights, limits = [], []
     for m in linears:
-        if isinstance(m, QuantizedLinear) and m.native:
-            packed = m.q8 if m.method == "int8" else m.q4
+        if isinstance(m, QuantizedLinear) and m.native and m.method in ("int8", "int4"):
+            packed = m.packed
             third = packed.sums if m.method == "int8" else packed.offsets
             weights.append([packed.codes, packed.scales, third])
             limits.append(m.max_rows if m.max_rows is not None else 1 << 62)

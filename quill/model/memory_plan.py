@@ -106,10 +106,10 @@ def plan_memory(
     if gguf:
         from quill.model.gguf_file import GGUFFile
         from quill.ops import gguf_types
-        from quill.ops.gguf_types import INT8_BLOCK_TYPES, QUANT_BLOCK_BYTES
+        from quill.ops.gguf_types import MADE_BLOCK_BYTES, QUANT_BLOCK_BYTES
 
         in_place = keep_stored and device.type == "cpu"
-        stored_types = set(gguf_types.NAMES.values()) if in_place else set()
+        stored_types = {*gguf_types.NAMES.values(), *gguf_types.FLOAT_TYPES} if in_place else set()
         tensors = GGUFFile(model_path).tensors
         tied = not any(t.name == "output.weight" for t in tensors)
         for t in tensors:
@@ -119,13 +119,11 @@ def plan_memory(
             if t.tensor_type.name in stored_types and len(t.shape) == 2:
                 parts["used as stored"] += t.data.nbytes
                 continue
-            # Q8_0 / Q4_x: int8 / int4 weights made from the blocks alone (about their bytes;
-            # Q5_0 / IQ4_NL's become int8: 34 bytes a block); the embedding table is looked up
-            # where it lies (a tied head made from its blocks).
+            # Blocks of 32: int8 / int4 / int5 weights made from the blocks alone (Q5_0 /
+            # IQ4_NL's become int8); the embedding table is looked up where it lies (a tied
+            # head made from its blocks).
             if in_place and t.tensor_type.name in QUANT_BLOCK_BYTES and len(t.shape) == 2:
-                made = (
-                    numel * INT8_BYTES if t.tensor_type.name in INT8_BLOCK_TYPES else t.data.nbytes
-                )
+                made = numel * MADE_BLOCK_BYTES[t.tensor_type.name] / 32
                 if t.name == "token_embd.weight":
                     parts["used as stored"] += t.data.nbytes
                     parts["int8 copies"] += int(made) if tied else 0

@@ -43,12 +43,17 @@ class QuantizedLinear(nn.Module):
         linear: nn.Linear,
         method: str,
         max_rows: int | None = None,
-        stored: tuple[torch.Tensor, ...] | qlinear.PackedQ8 | qlinear.PackedQ4 | None = None,
+        stored: tuple[torch.Tensor, ...]
+        | qlinear.PackedQ8
+        | qlinear.PackedQ4
+        | qlinear.PackedQ5
+        | None = None,
         unloaded: bool = False,
     ) -> None:
         """stored: the blocks to take as they are (a GGUF file's): (codes, scales) for int8,
-        (codes, d, c) for int4, or those already packed. `unloaded`: the linear's float weight
-        was never filled (the blocks are all there is); no float copy is kept."""
+        (codes, d, c) for int4 and int5 (Q5_1), or those already packed. `unloaded`: the
+        linear's float weight was never filled (the blocks are all there is); no float copy is
+        kept."""
         super().__init__()
         if unloaded and (stored is None or max_rows is not None):
             raise ValueError("a weight loaded only as blocks needs its blocks and no float copy")
@@ -75,12 +80,20 @@ class QuantizedLinear(nn.Module):
                 raise ValueError(f"int4 needs in_features divisible by {INT4_GROUP}")
             blocks = qlinear.quantize_q4_1(weight) if stored is None else stored
             self.q4 = _packed(blocks, qlinear.PackedQ4, qlinear.pack_q4, device)
+        elif method == "int5":  # a GGUF file's Q5_1 blocks (never made from floats)
+            if stored is None:
+                raise ValueError("int5 weights are a GGUF file's Q5_1 blocks; there are none")
+            self.q5 = _packed(stored, qlinear.PackedQ5, qlinear.pack_q5, device)
         else:
             raise ValueError(f"unknown quantization {method!r}")
 
+    @property
+    def packed(self) -> qlinear.PackedQ8 | qlinear.PackedQ4 | qlinear.PackedQ5:
+        return getattr(self, {"int8": "q8", "int4": "q4", "int5": "q5"}[self.method])
+
     def dequantized(self) -> torch.Tensor:
         """The float weight the quantized one stands for (fp32)."""
-        return (self.q8 if self.method == "int8" else self.q4).dequantized()
+        return self.packed.dequantized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
         y = self._product(x)
@@ -93,6 +106,8 @@ class QuantizedLinear(nn.Module):
             return qlinear.native_q8_linear(x, self.q8, self.bias)
         if self.method == "int4" and self.native and x.dim() == 2:
             return qlinear.native_q4_linear(x, self.q4, self.bias)
+        if self.method == "int5" and self.native and x.dim() == 2:
+            return qlinear.native_q5_linear(x, self.q5, self.bias)
         if self._fallback is None or self._fallback.dtype != x.dtype:
             self._fallback = self.dequantized().to(x.device, x.dtype)
         return F.linear(x, self._fallback, self.bias)
@@ -106,9 +121,10 @@ def _packed(blocks, kind: type, pack, device: torch.device):
 
 
 def pack_blocks(kind: str, tensors: tuple[torch.Tensor, ...]):
-    """A GGUF file's decoded Q8_0 / Q4_x blocks (quill/model/gguf_loader.py) in the layout of
-    the product they become: int8 for Q8_0, int4 for Q4_0 and Q4_1."""
-    return qlinear.pack(*tensors) if _METHOD_OF[kind] == "int8" else qlinear.pack_q4(*tensors)
+    """A GGUF file's decoded blocks of 32 (quill/model/gguf_loader.py) in the layout of the
+    product they become: int8 for Q8_0, Q5_0 and IQ4_NL, int4 for Q4_0 and Q4_1, int5 for Q5_1."""
+    pack = {"int8": qlinear.pack, "int4": qlinear.pack_q4, "int5": qlinear.pack_q5}
+    return pack[_METHOD_OF[kind]](*tensors)
 
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -121,7 +137,7 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 # The GGUF types each method takes as stored (Q5_0 and IQ4_NL blocks are int8 blocks exactly).
-_STORED_TYPES = {"int8": tuple(INT8_BLOCK_TYPES), "int4": ("Q4_0", "Q4_1")}
+_STORED_TYPES = {"int8": tuple(INT8_BLOCK_TYPES), "int4": ("Q4_0", "Q4_1"), "int5": ("Q5_1",)}
 _METHOD_OF = {kind: method for method, kinds in _STORED_TYPES.items() for kind in kinds}
 
 
@@ -183,7 +199,7 @@ def quantize_model(
             model.lm_head = QuantizedLinear(linear, "int8", rows, stored(name, "int8"))
     forget_native_weights(model)
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    qlinear.move_to_huge_pages([m.q8 if m.method == "int8" else m.q4 for m in quantized])
+    qlinear.move_to_huge_pages([m.packed for m in quantized])
     return taken
 
 

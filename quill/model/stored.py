@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quill.ops import kquant, qlinear
-from quill.ops.gguf_types import BLOCK32_BYTES, BLOCK32_TYPES
+from quill.ops.gguf_types import BLOCK32_BYTES, BLOCK32_TYPES, FLOAT_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,52 @@ class StoredTensor:
     def is_kquant(self) -> bool:
         return self.ggml_type in kquant.NAMES
 
+    @property
+    def is_float(self) -> bool:
+        return self.ggml_type in FLOAT_DTYPES
 
-_TYPE_NAMES = {**kquant.NAMES, **{t: name for name, t in BLOCK32_TYPES.items()}}
+    @property
+    def values(self) -> torch.Tensor:
+        """A float tensor's weights [rows, K] in its own dtype: a view of the same bytes."""
+        return self.data.view(FLOAT_DTYPES[self.ggml_type])
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights [rows, K] in the file's row order, as fp32 (a float type's: its dtype)."""
+        return self.values if self.is_float else kquant.dequantize(self.data, self.ggml_type)
+
+
+_TYPE_NAMES = {
+    **kquant.NAMES,
+    **{t: name for name, t in BLOCK32_TYPES.items()},
+    **{t: name for name, t in FLOAT_TYPES.items()},
+}
+FLOAT_DTYPES = {
+    FLOAT_TYPES["F32"]: torch.float32,
+    FLOAT_TYPES["F16"]: torch.float16,
+    FLOAT_TYPES["BF16"]: torch.bfloat16,
+}
+# Token rows up to which a float tensor's product is quill::dense_linear's (it streams the
+# weight once for up to 8 rows), above which PyTorch's matrix product (oneDNN, AMX where there
+# is one) over the view, or over chunks converted to the activations' dtype.
+FLOAT_NATIVE_ROWS = 8
+
+
+def float_linear(
+    x: torch.Tensor, s: StoredTensor, bias: torch.Tensor | None, native: bool
+) -> torch.Tensor:
+    """x @ W.T for a tensor the file stores as floats (F32, F16, BF16), read where it lies."""
+    w = s.values
+    if native and x.shape[0] <= FLOAT_NATIVE_ROWS:
+        out = torch.ops.quill.dense_linear(x, w, None, x.dtype)
+    elif w.dtype == x.dtype and w.device == x.device:
+        out = F.linear(x, w)
+    else:
+        step = kquant.dequantized_chunk_rows(x)
+        outs = [F.linear(x, w[i : i + step].to(x.device, x.dtype)) for i in range(0, s.rows, step)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+    rows = s.row_map if s.row_map is None else s.row_map.to(x.device)
+    out = kquant.placed_by(out, rows)
+    return out if bias is None else out + bias.to(out.dtype)
 
 
 class StoredLinear(nn.Module):
@@ -96,11 +140,16 @@ class StoredLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
+    def floats_only(self, dtype: torch.dtype | None = None) -> bool:
+        """Whether every part is stored as floats (of `dtype`, when given): a float copy of
+        those in the dtype computed in would be the same values again."""
+        return all(s.is_float and dtype in (None, s.values.dtype) for s in self.segments)
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [out_features, in_features] the stored rows stand for."""
         parts = []
         for s in self.segments:
-            w = kquant.dequantize(s.data, s.ggml_type)
+            w = s.dequantized()
             if s.row_map is not None:  # file row i is output row row_map[i]
                 placed = torch.empty_like(w)
                 placed[s.row_map.long()] = w
@@ -119,6 +168,10 @@ class StoredLinear(nn.Module):
         )
         for i, s in enumerate(self.segments):
             bias = None if self.bias is None else self.bias[offset : offset + s.rows]
+            if s.is_float:
+                outputs.append(float_linear(x, s, bias, native))
+                offset += s.rows
+                continue
             if dequantize:
                 if s.tiles is not None:
                     out = kquant.dequantized_linear(x, s.tiles, s.ggml_type, s.rows, bias)
@@ -150,8 +203,8 @@ class StoredLinear(nn.Module):
 
 
 class StoredEmbedding(nn.Module):
-    """An embedding table as stored (a K-quant, or Q8_0 / Q4_x): a lookup dequantizes the rows
-    it reads."""
+    """An embedding table as stored (a K-quant, Q8_0 / Q4_x, or floats): a lookup dequantizes
+    (or converts) the rows it reads."""
 
     def __init__(self, table: StoredTensor, dtype: torch.dtype) -> None:
         super().__init__()
@@ -160,6 +213,8 @@ class StoredEmbedding(nn.Module):
         per_row = table.data.shape[1]
         if table.is_kquant:
             self.embedding_dim = kquant.in_features(table.data, table.ggml_type)
+        elif table.is_float:
+            self.embedding_dim = table.values.shape[1]
         else:
             self.embedding_dim = per_row // BLOCK32_BYTES[table.ggml_type] * qlinear.BLOCK
 
@@ -167,6 +222,8 @@ class StoredEmbedding(nn.Module):
         t = self.table
         if t.is_kquant:
             out = kquant.kquant_rows(t.data, t.ggml_type, ids.cpu(), self.dtype, t.tiles)
+        elif t.is_float:
+            out = t.values[ids.cpu()].to(self.dtype)
         else:
             flat = ids.cpu().reshape(-1)
             out = qlinear.dequantize_rows(t.data, t.ggml_type, flat, self.dtype)
@@ -214,7 +271,7 @@ def attach_stored(model: nn.Module, stored: dict[str, StoredTensor], config, dty
     embed = getattr(model, "embed_tokens", None)
     if (
         isinstance(embed, StoredEmbedding)
-        and embed.table.is_kquant
+        and (embed.table.is_kquant or embed.table.is_float)
         and getattr(model, "lm_head", 0) is None
     ):
         # Tied: the stored table is the output head as well (a table in blocks of 32 gets an
@@ -308,7 +365,9 @@ def choose_dequantized_products(model: nn.Module, dtype: torch.dtype) -> int:
     machine); where the latter is faster from some row count on (AMX's bf16: 2-3x the tiles at
     512 rows, more against Q3_K's rows), every stored product takes it for steps above that
     count. Costs no memory beyond a chunk. Returns that row count (-1: none)."""
-    layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
+    # Float parts take PyTorch's product above a few rows anyway (`float_linear`).
+    layer = [m for m in model.layers[0].modules()
+             if isinstance(m, StoredLinear) and not m.floats_only()]  # fmt: skip
     if not layer:
         return -1
 
@@ -352,7 +411,11 @@ def keep_float_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> tupl
     narrow products (a 270M model's 640 rows) at a third of their rate on wide ones, where
     bf16's matrix product wins from a few dozen rows. Returns (that max_rows or -1 for none,
     the copies' bytes)."""
-    stored = [m for layer in model.layers for m in layer.modules() if isinstance(m, StoredLinear)]
+
+    def wanted(m) -> bool:  # a float tensor of the dtype computed in is its own float copy
+        return isinstance(m, StoredLinear) and not m.floats_only(dtype)
+
+    stored = [m for layer in model.layers for m in layer.modules() if wanted(m)]
     if not stored:
         return -1, 0
     from quill.model.linear import ROW_COUNTS, float_copy_bytes
@@ -361,7 +424,9 @@ def keep_float_copies(model: nn.Module, dtype: torch.dtype, budget: int) -> tupl
     if nbytes is None:
         return -1, 0
 
-    layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
+    layer = [m for m in model.layers[0].modules() if wanted(m)]
+    if not layer:
+        return -1, 0
     copies = {}  # of the timed layer, kept if chosen
 
     def floats():

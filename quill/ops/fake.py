@@ -49,6 +49,12 @@ def _q4_linear(x, codes, scales, offsets, bias=None, out_dtype=None) -> torch.Te
     return x.new_empty(rows, n, dtype=out_dtype or x.dtype)
 
 
+@torch.library.register_fake("quill::q5_linear")
+def _q5_linear(x, codes, scales, offsets, bias=None, out_dtype=None) -> torch.Tensor:
+    rows, n = x.shape[0], codes.shape[0] * codes.shape[2]  # codes [N/16, K/4, 16, 4]
+    return x.new_empty(rows, n, dtype=out_dtype or x.dtype)
+
+
 @torch.library.register_fake("quill::dense_linear")
 def _dense_linear(x, weight, bias=None, out_dtype=None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype)

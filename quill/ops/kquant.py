@@ -211,7 +211,7 @@ def dequantized_linear(
     time, each multiplied by PyTorch's float product: for long steps on a machine where that
     product is faster than the integer tiles (AMX), as measured at load (quill/model/stored.py).
     """
-    step = _dequantized_chunk_rows(x)
+    step = dequantized_chunk_rows(x)
     outs = []
     for first in range(0, out_features, step):
         count = min(step, out_features - first)
@@ -224,7 +224,7 @@ def dequantized_linear(
     return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 
-def _dequantized_chunk_rows(x: torch.Tensor) -> int:
+def dequantized_chunk_rows(x: torch.Tensor) -> int:
     return max(64, DEQUANTIZED_CHUNK_BYTES // (x.shape[1] * x.element_size()) // 64 * 64)
 
 
@@ -238,7 +238,7 @@ def dequantized_rows_linear(
     """`dequantized_linear` for a weight read where it lies (a type without tiles: Q2_K,
     Q3_K; Q6_K with AVX2): its rows dequantized a chunk at a time (quill::kquant_rows), in the
     file's order, the outputs then placed by `row_map` (file row i is output row row_map[i])."""
-    n, step = weight.shape[0], _dequantized_chunk_rows(x)
+    n, step = weight.shape[0], dequantized_chunk_rows(x)
     outs = []
     for first in range(0, n, step):
         ids = torch.arange(first, min(n, first + step))

@@ -1,5 +1,6 @@
 """int8 weights in blocks of 32 (GGUF's Q8_0): quantizing, packing for the native kernel, and
-the PyTorch code the kernel is checked against.
+the PyTorch code the kernel is checked against; the same for 4-bit (Q4_0, Q4_1) and 5-bit with
+an offset (Q5_1) blocks.
 
 A weight [N, K] becomes codes (int8, -127..127) and one fp16 scale per row and block of 32
 inputs: w ~ code * scale. `pack` lays them out as csrc/qlinear.cpp reads them (tiles of 16
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from quill.ops import memory
-from quill.ops.gguf_types import BLOCK32_BYTES, IQ4_NL, IQ4_VALUES, Q4_0, Q4_1, Q5_0, Q8_0
+from quill.ops.gguf_types import BLOCK32_BYTES, IQ4_NL, IQ4_VALUES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 BLOCK = 32
 TILE = 16
@@ -236,9 +237,10 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> PackedQ4:
 
 
 def reference_q4_linear(
-    x: torch.Tensor, packed: PackedQ4, bias: torch.Tensor | None = None
+    x: torch.Tensor, packed: PackedQ4 | PackedQ5, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The kernel's arithmetic in float64: d * a_scale * sum(code * qa) + c * a_scale * sum(qa)."""
+    """The kernel's arithmetic in float64: d * a_scale * sum(code * qa) + c * a_scale * sum(qa)
+    (Q4's and Q5's alike)."""
     codes, d, c = packed.unpack()
     n, k = codes.shape
     qa, ascale = quantize_activations(x)
@@ -258,6 +260,60 @@ def native_q4_linear(
     return _native(torch.ops.quill.q4_linear, x, packed, packed.offsets, bias, out_dtype)
 
 
+# -- 5-bit with an offset: GGUF's Q5_1 (w = d * code + min, codes 0..31), one code a byte.
+
+
+@dataclass
+class PackedQ5:
+    """5-bit codes in the Q8 kernel's code layout with Q4's d and c: w = d * code + c."""
+
+    codes: torch.Tensor  # uint8 [N/16, K/4, 16, 4], 0..31
+    scales: torch.Tensor  # fp16 d [N/16, K/32, 16]
+    offsets: torch.Tensor  # fp16 c [N/16, K/32, 16]
+    out_features: int
+
+    in_features = PackedQ8.in_features
+    padded_features = PackedQ8.padded_features
+    dequantized = PackedQ4.dequantized
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K], d [N, K/32], c [N, K/32]) back from the tiles."""
+        padded, k = self.padded_features, self.in_features
+        codes = self.codes.permute(0, 2, 1, 3).reshape(padded, k)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.permute(0, 2, 1).reshape(padded, k // BLOCK)[: self.out_features]
+
+        return codes[: self.out_features], rows(self.scales), rows(self.offsets)
+
+
+def pack_q5(codes: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> PackedQ5:
+    """codes uint8 0..31 [N, K] and per-block d, c [N, K/32]: the kernel's layout."""
+    out_features, k = codes.shape
+    if k % BLOCK:
+        raise ValueError(f"packing needs in_features divisible by {BLOCK}, got {k}")
+    pad = -out_features % TILE
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    d = torch.nn.functional.pad(d.to(torch.float16), (0, 0, 0, pad))
+    c = torch.nn.functional.pad(c.to(torch.float16), (0, 0, 0, pad))
+    n, blocks = out_features + pad, k // BLOCK
+    tiled = codes.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.view(n // TILE, TILE, blocks).permute(0, 2, 1).contiguous()
+
+    return PackedQ5(tiled.contiguous(), per_tile(d), per_tile(c), out_features)
+
+
+def native_q5_linear(
+    x: torch.Tensor,
+    packed: PackedQ5,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    return _native(torch.ops.quill.q5_linear, x, packed, packed.offsets, bias, out_dtype)
+
+
 # -- Rows of a GGUF table stored in blocks of 32 (an embedding looked up where it lies).
 
 
@@ -266,25 +322,34 @@ def block_codes(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Blocks of 32 as stored (uint8 [..., blocks, bytes]) -> (codes [..., blocks, 32], d fp16
     [..., blocks], c fp16 or None) with w = d * code (+ c): Q8_0 its int8 codes; Q5_0 its 5-bit
-    codes less 16 and IQ4_NL its table's values, int8; Q4_1 codes 0..15 with c its minimum,
-    Q4_0 codes 0..15 with c = -8 d."""
+    codes less 16 and IQ4_NL its table's values, int8; Q4_1 codes 0..15 and Q5_1 codes 0..31
+    with c their minimum, Q4_0 codes 0..15 with c = -8 d."""
     d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
     if ggml_type == Q8_0:
         return blocks[..., 2:].contiguous().view(torch.int8), d, None
-    packed = blocks[..., {Q4_1: 4, Q5_0: 6}.get(ggml_type, 2) :]
+    packed = blocks[..., {Q4_1: 4, Q5_0: 6, Q5_1: 8}.get(ggml_type, 2) :]
     # Byte j holds element j (low nibble) and element j + 16 (high) of its block.
     nibbles = torch.cat([packed & 0x0F, packed >> 4], -1)
-    if ggml_type == Q5_0:  # bit j of the uint32 after d: element j's fifth bit
-        high = blocks[..., 2:6].contiguous().view(torch.int32)
+    if ggml_type in (Q5_0, Q5_1):  # bit j of the uint32 before the nibbles: element j's fifth
+        at = 2 if ggml_type == Q5_0 else 4
+        high = blocks[..., at : at + 4].contiguous().view(torch.int32)
         bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
-        return (nibbles.to(torch.int32) | (bits << 4)).sub(16).to(torch.int8), d, None
+        codes = nibbles.to(torch.int32) | (bits << 4)
+        if ggml_type == Q5_1:
+            return codes.to(torch.uint8), d, _minimum(blocks)
+        return codes.sub(16).to(torch.int8), d, None
     if ggml_type == IQ4_NL:
         return torch.tensor(IQ4_VALUES, dtype=torch.int8)[nibbles.long()], d, None
     if ggml_type == Q4_1:
-        return nibbles, d, blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+        return nibbles, d, _minimum(blocks)
     if ggml_type == Q4_0:
         return nibbles, d, (-8 * d.float()).half()
     raise ValueError(f"GGML type {ggml_type} is not a type of blocks of 32 read here")
+
+
+def _minimum(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_1's and Q5_1's fp16 minimum, after d."""
+    return blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
 
 
 def dequantize_rows(
@@ -292,7 +357,7 @@ def dequantize_rows(
 ) -> torch.Tensor:
     """The rows `ids` of a tensor in blocks of 32 as the file stores it (uint8 [N, bytes per
     row]) -> [len(ids), K] in `dtype`: w = d * code (Q8_0, Q5_0 and IQ4_NL, `block_codes`),
-    d * (code - 8) (Q4_0), d * code + m (Q4_1), computed in fp32 as the gguf package computes
+    d * (code - 8) (Q4_0), d * code + m (Q4_1, Q5_1), computed in fp32 as the gguf package computes
     them."""
     rows = weight[ids.long()]
     blocks = rows.view(rows.shape[0], -1, BLOCK32_BYTES[ggml_type])
@@ -300,7 +365,7 @@ def dequantize_rows(
     d = d.float()[..., None]
     if ggml_type == Q4_0:
         w = d * (codes.float() - 8)
-    elif ggml_type == Q4_1:
+    elif ggml_type in (Q4_1, Q5_1):
         w = d * codes.float() + c.float()[..., None]
     else:
         w = d * codes.float()
