@@ -213,11 +213,12 @@ def run_native_tests_with_avx2(test_file: str) -> None:
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
 
 
-def load_in_fresh_process(path) -> dict:
-    """`LLM(path, dtype="float32", kv_cache_memory=8 MiB)` in a fresh interpreter:
+def load_in_fresh_process(path, **options) -> dict:
+    """`LLM(path, dtype="float32", kv_cache_memory=8 MiB, **options)` in a fresh interpreter:
     RSS after loading and its peak while loading (VmHWM: `ru_maxrss` carries the forking
     parent's peak across exec), both over the RSS before, and the bytes of the model's float
     parameters."""
+    options = {"dtype": "float32", "kv_cache_memory": 8 << 20, **options}
     import json
     import subprocess
     import sys
@@ -230,7 +231,7 @@ library.load()
 def rss():
     return int(open('/proc/self/statm').read().split()[1]) * 4096
 before = rss()
-llm = LLM({str(path)!r}, dtype="float32", kv_cache_memory=8 << 20)
+llm = LLM({str(path)!r}, **{options!r})
 model = llm.engine.runner.model
 floats = sum(p.numel() * p.element_size() for p in model.parameters())
 peak = int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0]) * 1024

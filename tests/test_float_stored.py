@@ -124,11 +124,13 @@ def test_greedy_tokens_equal_transformers(fp32_llm, reference):
 
 def test_no_float_copy_of_weights_already_in_the_dtype_computed_in(float_gguf):
     """bf16 arithmetic: layer 1's BF16 products are their own float weights (a copy would be
-    the same values again), and long steps multiply by the view of the file."""
+    the same values again), and long steps (above the row count measured at load; forced
+    here) multiply by the view of the file."""
     llm = LLM(str(float_gguf), dtype="bfloat16", kv_cache_dtype="bfloat16", **OPTIONS)
     model = llm.engine.runner.model
     gate_up = model.layers[1].gate_up_proj
     assert gate_up.floats_only(torch.bfloat16) and gate_up.float_weight is None
+    gate_up.dequantize_above = 0
     x = torch.randn(40, gate_up.in_features, dtype=torch.bfloat16)
     with torch.inference_mode():
         got = gate_up(x)
@@ -156,20 +158,21 @@ def _segment(ggml_type: int, rows: int, k: int, permuted: bool, seed: int) -> St
     permuted=st.booleans(),
     biased=st.booleans(),
     native=st.booleans() if NATIVE is not None else st.just(False),
+    gemm=st.booleans(),
     seed=st.integers(0, 1000),
 )
 def test_float_product_against_float64(
-    ggml_type, rows, out_rows, k, dtype, permuted, biased, native, seed
+    ggml_type, rows, out_rows, k, dtype, permuted, biased, native, gemm, seed
 ):
-    """Each float type's product, natively (quill::dense_linear up to 8 rows) or by PyTorch's
-    (the view, or chunks converted), rows placed by the row map: the float64 product of the
-    file's values within the rounding of the activations' dtype."""
+    """Each float type's product, natively (quill::dense_linear) or by PyTorch's (the view, or
+    chunks converted), rows placed by the row map: the float64 product of the file's values
+    within the rounding of the activations' dtype."""
     s = _segment(ggml_type, out_rows, k, permuted, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(rows, k, generator=g).to(dtype)
     bias = torch.randn(out_rows, generator=g) if biased else None
     with torch.inference_mode():
-        got = stored_float_linear(x, s, bias, native).double()
+        got = stored_float_linear(x, s, bias, native, gemm).double()
     w = s.values.double()
     if permuted:  # file row i is output row row_map[i]
         placed = torch.empty_like(w)

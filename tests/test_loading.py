@@ -8,7 +8,7 @@ import torch
 from quill import LLM, SamplingParams
 from quill.model.config import ModelConfig
 from quill.model.layers import rope_inv_freq
-from tests.conftest import random_checkpoint, write_tiny_config
+from tests.conftest import load_in_fresh_process, random_checkpoint, write_tiny_config
 
 
 def test_gguf_weights_match_transformers_gguf_loader():
@@ -105,6 +105,72 @@ def test_every_family_runs_quantized(tmp_path, kind, quantization):
         llm.close()
     for exact, quantized in zip(runs["none"], runs[quantization], strict=True):
         assert exact.outputs[0].token_ids[0] in quantized.outputs[0].logprobs[0]
+
+
+def _mapped_files(pointer: int) -> set[str]:
+    """The files this process maps at `pointer` (from /proc/self/maps)."""
+    found = set()
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        begin, end = (int(x, 16) for x in fields[0].split("-"))
+        if begin <= pointer < end and len(fields) >= 6:
+            found.add(fields[5])
+    return found
+
+
+def test_safetensors_weights_in_the_dtype_computed_in_are_used_where_they_lie(
+    tmp_path, monkeypatch
+):
+    """A checkpoint in the dtype computed in: each weight that is a whole parameter (o, down,
+    the embedding, the head) is a view of the file's map; q/k/v and gate/up, merged into one
+    product each, are copies; the model serves the same tokens as one whose weights were all
+    copied (the float32 checkpoints of the tests above run the same path against
+    transformers)."""
+    import quill.model.loader as loader
+
+    _tiny_checkpoint(tmp_path, "llama")
+    options = dict(dtype="float32", kv_cache_dtype="float32", quantization="none",
+                   kv_cache_memory=16 << 20)  # fmt: skip
+    mapped = LLM(str(tmp_path), **options)
+    model = mapped.engine.runner.model
+    shards = {str(p) for p in tmp_path.glob("*.safetensors")}
+    for param in ("layers.0.o_proj.weight", "layers.1.down_proj.weight",
+                  "embed_tokens.weight", "lm_head.weight"):  # fmt: skip
+        tensor = model.get_parameter(param)
+        assert _mapped_files(tensor.data_ptr()) & shards, param
+    for param in ("layers.0.qkv_proj.weight", "layers.0.gate_up_proj.weight"):
+        assert not _mapped_files(model.get_parameter(param).data_ptr()) & shards, param
+    prompts = [[5, 17, 300, 4000], list(range(100, 190))]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    got = mapped.generate(prompts, params, use_tqdm=False)
+    mapped.close()
+
+    load_weights = loader.load_weights
+
+    def copied(*args, **kwargs):  # every weight copied, as before
+        return load_weights(*args, **{**kwargs, "in_place": False})
+
+    monkeypatch.setattr(loader, "load_weights", copied)
+    copy = LLM(str(tmp_path), **options)
+    assert not _mapped_files(copy.engine.runner.model.layers[0].o_proj.weight.data_ptr()) & shards
+    want = copy.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_bf16_safetensors_model_loads_in_about_its_own_size():
+    """The default model's bf16 safetensors computed in bf16 without quantization, in a fresh
+    process: RSS after loading and at its peak within the file's size and 300 MB (the engine's
+    working buffers, as the GGUF files' tests): the weights that are views of the map are not
+    copied, and the merged ones' pages of the file are let go once copied."""
+    from quill.model.default_model import default_model_dir
+
+    directory = default_model_dir()
+    size = (directory / "model.safetensors").stat().st_size
+    figures = load_in_fresh_process(directory, dtype="bfloat16", quantization="none")
+    allowed = size + (8 << 20) + (300 << 20)
+    assert figures["delta"] <= allowed and figures["peak"] <= allowed, (figures, allowed)
 
 
 def _tiny_checkpoint(tmp_path, kind: str):

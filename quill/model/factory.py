@@ -63,12 +63,17 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
     # a method asked for by name is applied to the floats, as before.
     keep_stored = config.quantization == "auto" and tp is None
     plan = _plan(config, model_path, dtype, device, keep_stored, tp)
-    loaded = load_model(model_path, config.load_format, dtype, device, keep_stored=keep_stored)
+    loaded = load_model(model_path, config.load_format, dtype, device, keep_stored=keep_stored,
+                        map_floats=tp is None)  # fmt: skip
     blocks = loaded.blocks
     if tp is not None:
         tp.shard(loaded.model)
         blocks = {}  # each rank quantizes its own slices from the floats
     _quantize(loaded.model, config.quantization, device, blocks, plan, loaded.unloaded)
+    if loaded.mapped:  # the files' pages of weights quantized without a float copy go
+        from quill.model.loader import release_unused
+
+        release_unused(loaded.model, loaded.mapped)
     del blocks
     loaded.blocks = {}  # held in the weights now: the decoded copies go
     return_freed_memory()

@@ -20,6 +20,7 @@ from quill.model.config import ModelConfig
 from quill.model.llama import LlamaForCausalLM
 from quill.model.quant import pack_blocks
 from quill.model.registry import family
+from quill.model.safetensors_file import SafetensorsFile
 from quill.model.stored import StoredEmbedding, attach_stored, pack_tiles
 from quill.ops.library import available as library_available
 from quill.ops.library import cpu_flags
@@ -81,6 +82,8 @@ class LoadedModel:
     # The parameters whose weights are only in `blocks` (never dequantized: quantize_model
     # makes them from their blocks); their float tensors are left empty, untouched.
     unloaded: frozenset[str] = frozenset()
+    # The safetensors files some parameters are views of (their pages released once unused).
+    mapped: list[SafetensorsFile] = field(default_factory=list)
 
 
 def load_weights(
@@ -88,8 +91,14 @@ def load_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     config: ModelConfig,
     unloaded: frozenset[str] = frozenset(),
-) -> None:
+    in_place: bool = False,
+) -> set[str]:
+    """Fill the model's parameters from (Hugging Face name, tensor) pairs. With `in_place`, a
+    tensor that is a whole parameter in its dtype (not one part of a merged projection, not
+    converted) becomes the parameter itself, a view of the file's map. Returns the names so
+    placed (every other tensor was copied, and its pages can go)."""
     params = dict(model.named_parameters())
+    placed: set[str] = set()
     target_of = family(config).weight_target
     filled: dict[str, int] = {}  # elements filled, per parameter
     for name, tensor in weights:
@@ -104,12 +113,30 @@ def load_weights(
             raise ModelLoadError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
             )
-        with torch.no_grad():
-            param[target.offset : target.offset + target.rows].copy_(tensor)
+        whole = target.offset == 0 and target.rows == param.shape[0]
+        if in_place and whole and tensor.dtype == param.dtype and tensor.device == param.device:
+            params[target.param] = _replace_parameter(model, param, tensor)
+            placed.add(name)
+        else:
+            with torch.no_grad():
+                param[target.offset : target.offset + target.rows].copy_(tensor)
         filled[target.param] = filled.get(target.param, 0) + tensor.numel()
     for name, param in params.items():
         if filled.get(name, 0) != param.numel() and name not in unloaded:
             raise ModelLoadError(f"checkpoint is missing weights for {name!r}")
+    return placed
+
+
+def _replace_parameter(
+    model: torch.nn.Module, old: torch.nn.Parameter, tensor: torch.Tensor
+) -> torch.nn.Parameter:
+    """`tensor` as the parameter wherever `old` is one (a tied weight is in two modules)."""
+    new = torch.nn.Parameter(tensor, requires_grad=False)
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is old:
+                module._parameters[key] = new
+    return new
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -123,15 +150,30 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _open_safetensors(files: list[Path]) -> list[SafetensorsFile]:
     for f in files:
         if not f.is_file():
             raise ModelLoadError(f"missing weight file {str(f)!r}")
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():
-                yield name, st.get_tensor(name)
+    return [SafetensorsFile(f) for f in files]
+
+
+def _mapped_weights(files: list[SafetensorsFile]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        for name in f.names():
+            yield name, f.tensor(name)
+
+
+def release_unused(model: torch.nn.Module, files: list[SafetensorsFile]) -> None:
+    """Let go of the mapped pages of every tensor of `files` the model no longer holds (copied
+    at load, or quantized since without a float copy): read once, they would stay counted."""
+    held = {p.data_ptr() for p in model.parameters()}
+    held |= {w.data_ptr() for m in model.modules()
+             if isinstance(w := getattr(m, "float_weight", None), torch.Tensor)}  # fmt: skip
+    for f in files:
+        for name in f.names():
+            tensor = f.tensor(name)
+            if tensor.data_ptr() not in held:
+                f.release(tensor)
 
 
 def _build(
@@ -185,10 +227,12 @@ def load_model(
     device: torch.device,
     max_positions: int | None = None,
     keep_stored: bool = False,
+    map_floats: bool = False,
 ) -> LoadedModel:
     """Load from a Hugging Face directory or a GGUF file (dummy weights need only config.json).
     `keep_stored`: a GGUF file's tensors of a type a native kernel reads are used where they lie
-    (quill/model/stored.py), never dequantized."""
+    (quill/model/stored.py), never dequantized. `map_floats`: a safetensors file's tensors in
+    the dtype computed in that are whole parameters are the parameters, views of the file."""
     path = Path(path)
     hf_config, reader = _read_config(path, load_format)
     is_gguf = reader is not None
@@ -200,7 +244,7 @@ def load_model(
 
         stored = gguf_loader.gguf_stored_tensors(reader, hf_config)
     model, taken = _build(config, positions, dtype, device, stored)
-    blocks, unloaded = {}, frozenset()
+    blocks, unloaded, mapped = {}, frozenset(), []
     if load_format == "dummy":
         _dummy_init(model)
     elif is_gguf:
@@ -230,9 +274,14 @@ def load_model(
             if t.data.ctypes.data not in in_place:
                 reader.release(t.data)
     else:
-        load_weights(model, _safetensors_weights(_safetensors_files(path)), config)
+        # Weights in the dtype computed in are used where they lie (CPU): parameters that are
+        # views of the files' maps; the rest (merged q/k/v and gate/up, converted) copied.
+        mapped = _open_safetensors(_safetensors_files(path))
+        in_place = map_floats and device.type == "cpu"
+        load_weights(model, _mapped_weights(mapped), config, in_place=in_place)
+        release_unused(model, mapped)
     model.eval()
-    return LoadedModel(model, config, hf_config, path, blocks, unloaded)
+    return LoadedModel(model, config, hf_config, path, blocks, unloaded, mapped)
 
 
 def read_model_config(path: str | Path, load_format: str) -> ModelConfig:

@@ -86,18 +86,18 @@ FLOAT_DTYPES = {
     FLOAT_TYPES["F16"]: torch.float16,
     FLOAT_TYPES["BF16"]: torch.bfloat16,
 }
-# Token rows up to which a float tensor's product is quill::dense_linear's (it streams the
-# weight once for up to 8 rows), above which PyTorch's matrix product (oneDNN, AMX where there
-# is one) over the view, or over chunks converted to the activations' dtype.
-FLOAT_NATIVE_ROWS = 8
 
 
 def float_linear(
-    x: torch.Tensor, s: StoredTensor, bias: torch.Tensor | None, native: bool
+    x: torch.Tensor, s: StoredTensor, bias: torch.Tensor | None, native: bool, gemm: bool
 ) -> torch.Tensor:
-    """x @ W.T for a tensor the file stores as floats (F32, F16, BF16), read where it lies."""
+    """x @ W.T for a tensor the file stores as floats (F32, F16, BF16), read where it lies:
+    natively by quill::dense_linear (it streams the weight once for up to 8 token rows), or,
+    with `gemm` (long steps, where `choose_dequantized_products` measured it faster) or
+    without the native library, by PyTorch's matrix product over the view, or over chunks
+    converted to the activations' dtype."""
     w = s.values
-    if native and x.shape[0] <= FLOAT_NATIVE_ROWS:
+    if native and not gemm:
         out = torch.ops.quill.dense_linear(x, w, None, x.dtype)
     elif w.dtype == x.dtype and w.device == x.device:
         out = F.linear(x, w)
@@ -169,7 +169,7 @@ class StoredLinear(nn.Module):
         for i, s in enumerate(self.segments):
             bias = None if self.bias is None else self.bias[offset : offset + s.rows]
             if s.is_float:
-                outputs.append(float_linear(x, s, bias, native))
+                outputs.append(float_linear(x, s, bias, native, dequantize))
                 offset += s.rows
                 continue
             if dequantize:
@@ -361,13 +361,12 @@ DEQUANTIZED_COUNTS = (16, 32, 64, 128, 256, 512)
 def choose_dequantized_products(model: nn.Module, dtype: torch.dtype) -> int:
     """Time one layer's stored products against the same weights dequantized a chunk at a
     time into PyTorch's float product (kquant.dequantized_linear from the tiles, or
-    dequantized_rows_linear from the rows of a type kept where it lies), here (or once per
-    machine); where the latter is faster from some row count on (AMX's bf16: 2-3x the tiles at
-    512 rows, more against Q3_K's rows), every stored product takes it for steps above that
-    count. Costs no memory beyond a chunk. Returns that row count (-1: none)."""
-    # Float parts take PyTorch's product above a few rows anyway (`float_linear`).
-    layer = [m for m in model.layers[0].modules()
-             if isinstance(m, StoredLinear) and not m.floats_only()]  # fmt: skip
+    dequantized_rows_linear from the rows of a type kept where it lies; a float tensor's view,
+    or chunks of it converted: `float_linear`), here (or once per machine); where the latter is
+    faster from some row count on (AMX's bf16: 2-3x the tiles at 512 rows, more against Q3_K's
+    rows), every stored product takes it for steps above that count. Costs no memory beyond a
+    chunk. Returns that row count (-1: none)."""
+    layer = [m for m in model.layers[0].modules() if isinstance(m, StoredLinear)]
     if not layer:
         return -1
 
