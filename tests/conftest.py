@@ -213,6 +213,32 @@ def run_native_tests_with_avx2(test_file: str) -> None:
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
 
 
+def rewrite_gguf(src, dst, encode) -> None:
+    """`src`'s metadata and tensors written to `dst` by the `gguf` package's writer, each tensor
+    dequantized to float32 and stored as `encode(name, values)` says: (array, raw GGML type, or
+    None for the array's own dtype)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            writer.add_array(field.name, field.contents())
+        else:
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    for t in reader.tensors:
+        data, raw_dtype = encode(t.name, dequantize(t.data, t.tensor_type).astype(np.float32))
+        writer.add_tensor(t.name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def load_in_fresh_process(path, **options) -> dict:
     """`LLM(path, dtype="float32", kv_cache_memory=8 MiB, **options)` in a fresh interpreter:
     RSS after loading and its peak while loading (VmHWM: `ru_maxrss` carries the forking

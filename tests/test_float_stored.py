@@ -20,7 +20,7 @@ from quill import LLM, SamplingParams
 from quill.model.stored import FLOAT_DTYPES, StoredEmbedding, StoredTensor
 from quill.model.stored import float_linear as stored_float_linear
 from quill.ops.gguf_types import BF16, F16, F32
-from tests.conftest import NATIVE, load_in_fresh_process
+from tests.conftest import NATIVE, load_in_fresh_process, rewrite_gguf
 from tests.test_stored_weights import FIXTURE, PROMPTS, greedy
 
 OPTIONS = dict(kv_cache_memory=32 << 20)
@@ -36,31 +36,17 @@ def _float_type(name: str):
 
 def write_float_gguf(src, dst) -> None:
     from gguf import GGMLQuantizationType as T
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import quantize
 
-    reader = GGUFReader(src)
-    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        if field.types[0] == GGUFValueType.ARRAY:
-            writer.add_array(field.name, field.contents())
-        else:
-            writer.add_key_value(field.name, field.contents(), field.types[0])
-    for t in reader.tensors:
-        data = dequantize(t.data, t.tensor_type).astype(np.float32)
-        kind = _float_type(t.name) if data.ndim == 2 else T.F32
+    def encode(name, data):
+        kind = _float_type(name) if data.ndim == 2 else T.F32
         if kind == T.F32:
-            writer.add_tensor(t.name, data)
-        elif kind == T.F16:
-            writer.add_tensor(t.name, data.astype(np.float16))
-        else:
-            writer.add_tensor(t.name, quantize(data, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return data, None
+        if kind == T.F16:
+            return data.astype(np.float16), None
+        return quantize(data, kind), kind
+
+    rewrite_gguf(src, dst, encode)
 
 
 @pytest.fixture(scope="module")

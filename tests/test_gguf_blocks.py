@@ -15,33 +15,21 @@ import torch
 from quill import LLM, SamplingParams
 from quill.model.quant import QuantizedLinear, quantize_model
 from quill.ops import qlinear
-from tests.conftest import NATIVE, PROMPTS, load_in_fresh_process
+from tests.conftest import NATIVE, PROMPTS, load_in_fresh_process, rewrite_gguf
 
 
 def _write_blocks(src, dst, kind: str = "Q8_0") -> None:
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import dequantize, quantize
+    """Every 2-D tensor of `src` whose rows fill blocks of 32 re-encoded in `kind` by gguf."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
 
-    reader = GGUFReader(src)
-    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        if field.types[0] == GGUFValueType.ARRAY:
-            writer.add_array(field.name, field.contents())
-        else:
-            writer.add_key_value(field.name, field.contents(), field.types[0])
-    for t in reader.tensors:
-        data = dequantize(t.data, t.tensor_type).astype(np.float32)
+    def encode(name, data):
         if data.ndim == 2 and data.shape[1] % 32 == 0:
             ggml_type = GGMLQuantizationType[kind]
-            writer.add_tensor(t.name, quantize(data, ggml_type), raw_dtype=ggml_type)
-        else:
-            writer.add_tensor(t.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            return quantize(data, ggml_type), ggml_type
+        return data, None
+
+    rewrite_gguf(src, dst, encode)
 
 
 @pytest.fixture(scope="module")

@@ -81,11 +81,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor) -> PackedQ8:
     n, blocks = out_features + pad, k // BLOCK
     tiled = codes.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
     sums = codes.view(n, blocks, BLOCK).sum(-1, dtype=torch.int32).to(torch.int16)
-
-    def per_tile(t: torch.Tensor) -> torch.Tensor:
-        return t.view(n // TILE, TILE, blocks).permute(0, 2, 1).contiguous()
-
-    return PackedQ8(tiled.contiguous(), per_tile(scales), per_tile(sums), out_features)
+    return PackedQ8(tiled.contiguous(), _per_tile(scales), _per_tile(sums), out_features)
 
 
 def move_to_huge_pages(packs: list, arena_bytes: int = 256 << 20) -> None:
@@ -218,22 +214,32 @@ class PackedQ4:
 
 def pack_q4(codes: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> PackedQ4:
     """codes uint8 0..15 [N, K] and per-block d, c [N, K/32]: the kernel's layout."""
-    out_features, k = codes.shape
+    out_features = codes.shape[0]
+    codes, d, c = _padded_to_tiles(codes, d, c)
+    n, k = codes.shape
+    # [tile, row, block, step, half (low / high nibble), i] -> [tile, block, step, row, i]
+    parts = codes.view(n // TILE, TILE, k // BLOCK, BLOCK // 8, 2, 4).permute(0, 2, 3, 1, 4, 5)
+    packed = parts[..., 0, :] | (parts[..., 1, :] << 4)
+    return PackedQ4(packed.contiguous(), _per_tile(d), _per_tile(c), out_features)
+
+
+def _padded_to_tiles(codes: torch.Tensor, d: torch.Tensor, c: torch.Tensor):
+    """codes [N, K] and per-block d, c [N, K/32] (fp16) with rows padded to tiles of 16."""
+    k = codes.shape[1]
     if k % BLOCK:
         raise ValueError(f"packing needs in_features divisible by {BLOCK}, got {k}")
-    pad = -out_features % TILE
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
-    d = torch.nn.functional.pad(d.to(torch.float16), (0, 0, 0, pad))
-    c = torch.nn.functional.pad(c.to(torch.float16), (0, 0, 0, pad))
-    n, blocks = out_features + pad, k // BLOCK
-    # [tile, row, block, step, half (low / high nibble), i] -> [tile, block, step, row, i]
-    parts = codes.view(n // TILE, TILE, blocks, BLOCK // 8, 2, 4).permute(0, 2, 3, 1, 4, 5)
-    packed = parts[..., 0, :] | (parts[..., 1, :] << 4)
+    pad = -codes.shape[0] % TILE
 
-    def per_tile(t: torch.Tensor) -> torch.Tensor:
-        return t.view(n // TILE, TILE, blocks).permute(0, 2, 1).contiguous()
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, 0, pad))
 
-    return PackedQ4(packed.contiguous(), per_tile(d), per_tile(c), out_features)
+    return padded(codes), padded(d.to(torch.float16)), padded(c.to(torch.float16))
+
+
+def _per_tile(t: torch.Tensor) -> torch.Tensor:
+    """Per-(row, block) values [N, K/32] -> the kernel's [N/16, K/32, 16]."""
+    n, blocks = t.shape
+    return t.view(n // TILE, TILE, blocks).permute(0, 2, 1).contiguous()
 
 
 def reference_q4_linear(
@@ -289,20 +295,11 @@ class PackedQ5:
 
 def pack_q5(codes: torch.Tensor, d: torch.Tensor, c: torch.Tensor) -> PackedQ5:
     """codes uint8 0..31 [N, K] and per-block d, c [N, K/32]: the kernel's layout."""
-    out_features, k = codes.shape
-    if k % BLOCK:
-        raise ValueError(f"packing needs in_features divisible by {BLOCK}, got {k}")
-    pad = -out_features % TILE
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
-    d = torch.nn.functional.pad(d.to(torch.float16), (0, 0, 0, pad))
-    c = torch.nn.functional.pad(c.to(torch.float16), (0, 0, 0, pad))
-    n, blocks = out_features + pad, k // BLOCK
+    out_features = codes.shape[0]
+    codes, d, c = _padded_to_tiles(codes, d, c)
+    n, k = codes.shape
     tiled = codes.view(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3)
-
-    def per_tile(t: torch.Tensor) -> torch.Tensor:
-        return t.view(n // TILE, TILE, blocks).permute(0, 2, 1).contiguous()
-
-    return PackedQ5(tiled.contiguous(), per_tile(d), per_tile(c), out_features)
+    return PackedQ5(tiled.contiguous(), _per_tile(d), _per_tile(c), out_features)
 
 
 def native_q5_linear(
