@@ -1,6 +1,6 @@
 """Weights used where they lie: linear layers and the embedding read straight from a GGUF
-file's memory map in the type it stores them (the K-quants Q2_K to Q6_K, and IQ4_XS), with
-no float copy at any point.
+file's memory map in the type it stores them (the K-quants Q2_K to Q6_K, IQ4_XS, and the floats
+F32 / F16 / BF16), with no float copy at any point.
 
 The loader finds, per model module, the file's tensors whose type has a native kernel
 (`StoredTensor`, quill/model/gguf_loader.py), swaps those modules for the ones here on the
