@@ -134,22 +134,20 @@ inline void block_dots(const uint8_t* block, int64_t tile_bytes, const Quantized
         dots[j][0] = _mm512_dpbusd_epi32(dots[j][0], magnitude, w);
       }
     }
-  } else if constexpr (std::is_same_v<F, Q8>) {
+  } else if constexpr (std::is_same_v<F, Q8> || std::is_same_v<F, Q5>) {
+    // One code a byte: Q8's activations are the unsigned operand (offset by 128), Q5's codes.
     for (int g = 0; g < kBlock / 4; ++g) {
       __m512i a[R];
       for (int r = 0; r < R; ++r) a[r] = _mm512_set1_epi32(four_codes(act, a0 + r * k + g * 4));
       for (int j = 0; j < T; ++j) {
         __m512i w = _mm512_loadu_si512(block + j * tile_bytes + g * 64);
-        for (int r = 0; r < R; ++r) dots[j][r] = _mm512_dpbusd_epi32(dots[j][r], a[r], w);
-      }
-    }
-  } else if constexpr (std::is_same_v<F, Q5>) {
-    for (int g = 0; g < kBlock / 4; ++g) {
-      __m512i a[R];
-      for (int r = 0; r < R; ++r) a[r] = _mm512_set1_epi32(four_codes(act, a0 + r * k + g * 4));
-      for (int j = 0; j < T; ++j) {
-        __m512i w = _mm512_loadu_si512(block + j * tile_bytes + g * 64);
-        for (int r = 0; r < R; ++r) dots[j][r] = _mm512_dpbusd_epi32(dots[j][r], w, a[r]);
+        for (int r = 0; r < R; ++r) {
+          if constexpr (std::is_same_v<F, Q8>) {
+            dots[j][r] = _mm512_dpbusd_epi32(dots[j][r], a[r], w);
+          } else {
+            dots[j][r] = _mm512_dpbusd_epi32(dots[j][r], w, a[r]);
+          }
+        }
       }
     }
   } else {

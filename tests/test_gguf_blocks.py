@@ -131,6 +131,22 @@ def _file_q4_1(path, name):
     return codes, d, m
 
 
+def _first_token_gaps(llm, reference) -> list[float]:
+    """Over PROMPTS, |logprob difference| of `reference`'s likeliest first token under `llm`,
+    which must have it among its own five likeliest."""
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    gaps = []
+    for got, want in zip(
+        llm.generate(PROMPTS, params, use_tqdm=False),
+        reference.generate(PROMPTS, params, use_tqdm=False),
+    ):
+        want_first, got_first = want.outputs[0].logprobs[0], got.outputs[0].logprobs[0]
+        top = max(want_first, key=want_first.get)
+        assert top in got_first
+        gaps.append(abs(got_first[top] - want_first[top]))
+    return gaps
+
+
 def test_int4_takes_the_default_models_q4_1_blocks(caplog):
     """The default model's own GGUF is Q4_1: int4 serves its blocks exactly (the float path
     serves their dequantized values), so the two differ only by the activations' int8
@@ -148,17 +164,7 @@ def test_int4_takes_the_default_models_q4_1_blocks(caplog):
     want_codes, want_d, want_m = _file_q4_1(path, "blk.0.ffn_down.weight")
     assert torch.equal(codes, torch.from_numpy(want_codes.astype(np.uint8)))
     assert torch.equal(d, torch.from_numpy(want_d)) and torch.equal(c, torch.from_numpy(want_m))
-    float_llm = _llm(path, "none")
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
-    gaps = []
-    for got, want in zip(
-        int4.generate(PROMPTS, params, use_tqdm=False),
-        float_llm.generate(PROMPTS, params, use_tqdm=False),
-    ):
-        want_first, got_first = want.outputs[0].logprobs[0], got.outputs[0].logprobs[0]
-        top = max(want_first, key=want_first.get)
-        assert top in got_first
-        gaps.append(abs(got_first[top] - want_first[top]))
+    gaps = _first_token_gaps(int4, _llm(path, "none"))
     # Measured: at most 0.055 nats, mean ~0.02 (the activations' int8 rounding alone); int4
     # re-quantized from the floats moves ~0.1 on average (test_quant.py).
     assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.04, gaps
@@ -184,17 +190,7 @@ def test_int5_takes_q5_1_blocks_as_stored(tmp_path):
     tensor = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
     want = decode_blocks("Q5_1", tensor.data)
     assert all(torch.equal(a, b) for a, b in zip(model.layers[0].down_proj.q5.unpack(), want))
-    float_llm = _llm(path, "none")
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
-    gaps = []
-    for got, ref in zip(
-        auto.generate(PROMPTS, params, use_tqdm=False),
-        float_llm.generate(PROMPTS, params, use_tqdm=False),
-    ):
-        ref_first, got_first = ref.outputs[0].logprobs[0], got.outputs[0].logprobs[0]
-        top = max(ref_first, key=ref_first.get)
-        assert top in got_first
-        gaps.append(abs(got_first[top] - ref_first[top]))
+    gaps = _first_token_gaps(auto, _llm(path, "none"))
     # Measured: at most 0.087 nats, mean 0.029 (as int4 on Q4_1: the activations' rounding).
     assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.04, gaps
 

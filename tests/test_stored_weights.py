@@ -64,7 +64,7 @@ def test_float_copies_are_the_files_values_and_serve_large_steps(stored_llm):
     """A stored product's float copy (kept for large steps where measured faster) is the file's
     tensor dequantized, rows in place, as the float path loads it; with a copy, steps above
     max_rows multiply by it and smaller ones read the stored rows; no budget, no copy."""
-    from quill.model.stored import keep_float_copies
+    from quill.model.stored_timing import keep_float_copies
 
     floats = LLM(str(FIXTURE), **{**OPTIONS, "quantization": "none"}).engine.runner.model
     model = stored_llm.engine.runner.model

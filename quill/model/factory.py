@@ -171,7 +171,8 @@ def _quantize(
     from them whatever is chosen for the rest."""
     from quill.model.linear import choose_native_rows, choose_split
     from quill.model.quant import choose_quantization, keep_block_float_copies, quantize_model
-    from quill.model.stored import StoredLinear, choose_dequantized_products, keep_float_copies
+    from quill.model.stored import StoredLinear
+    from quill.model.stored_timing import choose_dequantized_products, keep_float_copies
 
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     if stored:

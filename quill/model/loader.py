@@ -170,10 +170,7 @@ def release_unused(model: torch.nn.Module, files: list[SafetensorsFile]) -> None
     held |= {w.data_ptr() for m in model.modules()
              if isinstance(w := getattr(m, "float_weight", None), torch.Tensor)}  # fmt: skip
     for f in files:
-        for name in f.names():
-            tensor = f.tensor(name)
-            if tensor.data_ptr() not in held:
-                f.release(tensor)
+        f.release_all_but(held)
 
 
 def _build(

@@ -1,7 +1,7 @@
 """Start-up measurements kept per machine.
 
 quill chooses some paths by timing them here at load (which product serves which step sizes:
-quill/model/stored.py). The timings depend on the machine, the native library, the threads,
+quill/model/stored_timing.py). The timings depend on the machine, the native library, the threads,
 torch, and the shapes and types timed, not on the weights' values; so they are kept under
 `$QUILL_CACHE/measured/`, keyed by all of those, and a second start reads them instead of
 timing again (seconds, for a 1B-8B model). Delete the folder to measure again.

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quill.contract.errors import ModelLoadError
+from quill.ops.gguf_types import MADE_BLOCK_BYTES
 
 GIB = 1 << 30
 KV_SHARE = 0.5  # of what is left after the weights and the working memory
 KV_CAP = 4 * GIB  # the most a CPU's pool takes unless kv_cache_memory says otherwise
 MIN_CONTEXT = 2048  # the least context a loaded model must be able to hold (or its own, if less)
-INT8_BYTES = 34 / 32  # a weight's bytes in quill's int8 copy (Q8_0 blocks)
+INT8_BYTES = MADE_BLOCK_BYTES["Q8_0"] / 32  # a weight's bytes in quill's int8 copy
 # `auto` keeps a float copy beside the int8 one (for large steps, where it is faster) only while
 # both together take at most this share of the memory available.
 COPIES_SHARE = 0.5
@@ -106,7 +107,7 @@ def plan_memory(
     if gguf:
         from quill.model.gguf_file import GGUFFile
         from quill.ops import gguf_types
-        from quill.ops.gguf_types import MADE_BLOCK_BYTES, QUANT_BLOCK_BYTES
+        from quill.ops.gguf_types import QUANT_BLOCK_BYTES
 
         in_place = keep_stored and device.type == "cpu"
         stored_types = {*gguf_types.NAMES.values(), *gguf_types.FLOAT_TYPES} if in_place else set()

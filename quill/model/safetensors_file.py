@@ -5,7 +5,7 @@ The format: an 8-byte little-endian header length, a JSON header (name -> dtype,
 [begin, end) byte offsets into the data after the header; `__metadata__` aside), the data.
 `safe_open(...).get_tensor` copies each tensor out of its own map; here a tensor is a torch view
 of this one (read-only: a write would fault at once rather than change the file's pages), and
-`release` lets go of the pages of tensors that were copied (merged into q/k/v, converted) or
+`release_all_but` lets go of the pages of tensors that were copied (merged into q/k/v, converted) or
 dropped (quantized without a float copy), which the view's later reads would fault back in.
 """
 
@@ -72,17 +72,17 @@ class SafetensorsFile:
             raw = raw.clone()  # unaligned for its dtype (no writer makes this): a copy
         return raw.view(dtype).reshape(shape)
 
-    def release(self, tensor: torch.Tensor) -> None:
-        """Let go of the whole pages of a view of this map that this process holds."""
-        base = self._data.ctypes.data
-        begin = tensor.data_ptr() - base
-        if not 0 <= begin < len(self._data):
-            return  # not a view of this map
-        page = mmap.PAGESIZE
-        first = -(-begin // page) * page
-        last = (begin + tensor.numel() * tensor.element_size()) // page * page
-        if last > first and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        return 0 <= tensor.data_ptr() - self._data.ctypes.data < len(self._data)
+    def release_all_but(self, held: set[int]) -> None:
+        """Let go of the whole pages this process holds of every tensor whose first byte is not
+        at one of the addresses `held` (the model's tensors): a page read again comes back from
+        the file."""
+        if not hasattr(self._map, "madvise"):
+            return
+        base, page = self._data.ctypes.data, mmap.PAGESIZE
+        for _, _, begin, end in self._entries.values():
+            if base + begin in held:
+                continue
+            first = -(-begin // page) * page  # whole pages only: the neighbours' stay
+            last = end // page * page
+            if last > first:
+                self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
