@@ -58,7 +58,7 @@ def main() -> None:
     engine = next(iter(llms.values())).engine
     info = machine_info(torch.get_num_threads())
     flags = " ".join(info["cpu_flags"])
-    print(f"\n{info['cpu']} ({flags}), {engine.dtype}, KV {engine.kv_cache_dtype}")
+    print(f"\n{info['cpu']} ({flags}), {engine.dtype}, KV {engine.kv_format}")
     print(f"\n| {args.tokens}-token prompt | native s | PyTorch path s | native / PyTorch |")
     print("|---|---|---|---|")
     for name in llms:

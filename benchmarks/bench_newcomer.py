@@ -95,12 +95,12 @@ def main() -> None:
             print(f"round {r + 1} {path}: {results[path][-1]}", flush=True)
     for layout in layouts:
         layout.native = True
-    kv_per_token = engine.model_config.kv_bytes_per_token * engine.kv_cache_dtype.itemsize
+    kv_per_token = engine.model_config.kv_bytes_per_token * engine.kv_format.bytes_per_element
     newcomer_bytes = args.long * kv_per_token
     bw = max(bandwidth)
     info = machine_info(torch.get_num_threads())
     flags = " ".join(info["cpu_flags"])
-    print(f"\n{info['cpu']} ({flags}), {engine.dtype}, KV {engine.kv_cache_dtype}")
+    print(f"\n{info['cpu']} ({flags}), {engine.dtype}, KV {engine.kv_format}")
     print(
         f"newcomer's KV: {newcomer_bytes / 1e6:.1f} MB per step = "
         f"{1e3 * newcomer_bytes / bw:.2f} ms at the probe's {bw / 1e9:.1f} GB/s\n"

@@ -9,16 +9,20 @@
 // scores in base 2, online softmax) over tiles of kTileTokens keys, prefetching the next tile
 // by hand (the blocks are scattered, which defeats the hardware prefetchers). When there are
 // fewer items than the threads can share evenly, long key ranges are split across items and
-// their partial results (max, sum, unnormalised output) merged afterwards. Items are handed out
-// largest first from an atomic counter, so uneven contexts do not leave a thread idle.
+// their partial results (max, sum, unnormalised output) merged afterwards. An int8 cache
+// (codes with an fp16 scale per 32 dimensions of a token's head) is multiplied in integers as
+// it is read: codes widened to int16 in registers against int16-rounded queries and weights
+// (see "An int8 cache is multiplied in integers" below). No wider copy of a block is made.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -121,6 +125,8 @@ void plan(const Layout& L, int num_seqs, int num_threads, std::vector<Item>& ite
 struct Scratch {
   std::vector<float> q, s, o, m, l;
   std::vector<bf16> qb, pb;  // bf16 copies of the queries and weights for DotPairs
+  std::vector<int16_t> qi, wi;  // int8 caches: queries, and weights per 32 dims, in int16
+  std::vector<float> qis, wis;   // their scales
   void reserve(int rows, int dim) {
     auto grow = [](auto& v, size_t n) {
       if (v.size() < n) v.resize(n);
@@ -132,6 +138,10 @@ struct Scratch {
     grow(l, rows);
     grow(qb, size_t(rows) * dim);
     grow(pb, size_t(rows) * kTileTokens);
+    grow(qi, size_t(rows) * dim);
+    grow(qis, size_t(rows) * dim / kScaleGroup + 1);
+    grow(wi, size_t(rows) * dim / kScaleGroup * kTileTokens + 1);
+    grow(wis, size_t(rows) * dim / kScaleGroup + 1);
   }
 };
 
@@ -140,17 +150,22 @@ Scratch& thread_scratch() {
   return scratch;
 }
 
-// The next tile's part of one KV head (`count` blocks), for the products to prefetch as they
-// run: issued a few lines per step of their inner loops, the requests overlap the arithmetic
-// (~20% faster than issuing them all before each product, and twice the rate of no prefetch).
+// The next tile's blocks (`count`, every KV head's part of each: one contiguous run per
+// block), for the products to prefetch as they run: issued a few lines per step of their inner
+// loops, the requests overlap the arithmetic (~20% faster than issuing them all before each
+// product, and twice the rate of no prefetch). Whole blocks, not one head's part at a time:
+// scattered reads run at a rate that grows with the run's length (an int8 cache's 1 KB head
+// chunks read ~30% slower than 3 KB blocks).
 template <typename KT>
 inline void plan_prefetch(Prefetch& pf, const KT* cache, const int32_t* blocks, int count,
-                          int kv_heads, int h, int64_t head_elems, int lines) {
+                          int kv_heads, int64_t chunk) {
+  const int lines = int(kv_heads * chunk * int64_t(sizeof(KT)) / 64);
   for (int j = 0; j < count; ++j)
-    pf.bases[j] = reinterpret_cast<const char*>(cache + (int64_t(blocks[j]) * kv_heads + h) * head_elems);
+    pf.bases[j] = reinterpret_cast<const char*>(cache + int64_t(blocks[j]) * kv_heads * chunk);
   pf.lines_per_base = lines;
   pf.total = count * lines;
-  pf.done = 0;
+  pf.done = pf.base = pf.line = 0;
+  pf.stop = 1 << 30;
 }
 
 // How the cache's dtype is stored and multiplied (see gemm.h); bf16 keeps row pairs together.
@@ -169,12 +184,275 @@ struct KindFor<bf16, bf16> {
 };
 #endif
 
-template <typename QT, typename KT>
-void attend(const Layout& L, const Item& it, const Item* next, const QT* q, const KT* k_cache,
-            const KT* v_cache, QT* out, float* partials) {
-  using Kind = typename KindFor<QT, KT>::type;
-  using A = typename Kind::AType;
+// S[r][j] = q_r . k_j for the rows of KV head h (Qh, Sh) over the tile's `nblk` blocks.
+template <typename Kind, typename KT>
+void key_product(int rows, int D, int BS, const typename Kind::AType* Qh, const KT* k_cache,
+                 const int32_t* blocks, int nblk, int KVH, int h, int64_t chunk, float* Sh,
+                 const KT** cols, Prefetch& pf) {
   constexpr int step = Kind::kStep;  // 2: bf16 blocks hold rows in interleaved pairs
+  const int bvec = BS / kWidth, ncols = nblk * bvec;
+  for (int j = 0; j < nblk; ++j) {
+    const KT* base = k_cache + (int64_t(blocks[j]) * KVH + h) * chunk;
+    for (int c = 0; c < bvec; ++c) cols[j * bvec + c] = base + c * kWidth * step;
+  }
+  small_gemm<Kind>(rows, ncols, D, Qh, D, cols, 0, D, int64_t(BS) * step, Sh, kTileTokens, false, &pf);
+}
+
+// An int8 cache is multiplied in integers: its codes widened to int16 and multiplied by the
+// queries (keys) or the softmax weights (values) rounded to int16, two products summed into an
+// int32 lane an instruction (vpdpwssd with AVX-512 VNNI; vpmaddwd with AVX2), then scaled to
+// fp32 once per 32 dimensions (keys) or per tile (values). Its codes lie in the bf16 layout's
+// pairs (csrc/cache_layout.h), the operands of those instructions. Rounding to int16 keeps
+// 15 bits (scale max |x| / 32767 per 32 dimensions of a query, per tile and 32 dimensions of
+// a row of weights times the values' scales): errors of ~1e-5, against the fp32 path's
+// conversion of every code (2 instructions a 16) and a multiply-add per query head.
+#if defined(QUILL_AVX512)
+using vint = __m512i;
+inline vint izero() { return _mm512_setzero_si512(); }
+inline vint iset(int32_t x) { return _mm512_set1_epi32(x); }
+inline vint widen(const int8_t* p) {  // 2 * kWidth codes -> int16
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vint dot2(vint acc, vint codes, vint pair) { return _mm512_dpwssd_epi32(acc, codes, pair); }
+inline vfloat ifloat(vint x) { return _mm512_cvtepi32_ps(x); }
+inline void istore16(int16_t* p, vint x) {  // kWidth int32 -> int16, saturating
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(x));
+}
+inline vint iround(vfloat x) { return _mm512_cvtps_epi32(x); }  // nearest even
+constexpr int kIntRows = 6;
+#else
+using vint = __m256i;
+inline vint izero() { return _mm256_setzero_si256(); }
+inline vint iset(int32_t x) { return _mm256_set1_epi32(x); }
+inline vint widen(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vint dot2(vint acc, vint codes, vint pair) { return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, pair)); }
+inline vfloat ifloat(vint x) { return _mm256_cvtepi32_ps(x); }
+inline void istore16(int16_t* p, vint x) {
+  const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline vint iround(vfloat x) { return _mm256_cvtps_epi32(x); }
+constexpr int kIntRows = 3;
+#endif
+constexpr int kQuantMax = 32767;
+constexpr int kIntCols = kScaleGroup / kWidth;  // vectors of one 32-dimension group
+
+// Rows of fp32 (or 16-bit) values -> int16 codes and one fp32 scale per 32 of them, round to
+// nearest even: the queries against an int8 key cache (the PyTorch path rounds them alike,
+// quill/ops/reference.py).
+template <typename QT>
+void round_queries(const QT* src, int D, int16_t* codes, float* scales) {
+  for (int g = 0; g < D / kScaleGroup; ++g) {
+    vfloat amax = vzero();
+    for (int c = 0; c < kIntCols; ++c) {
+      const vfloat x = vload(src + g * kScaleGroup + c * kWidth);
+      amax = vmax(amax, vmax(x, vsub(vzero(), x)));
+    }
+    const float scale = vhmax(amax) / kQuantMax;
+    scales[g] = scale;
+    const vfloat inv = vset(scale > 0.0f ? 1.0f / scale : 0.0f);
+    for (int c = 0; c < kIntCols; ++c) {
+      const vfloat x = vload(src + g * kScaleGroup + c * kWidth);
+      istore16(codes + g * kScaleGroup + c * kWidth, iround(vmul(x, inv)));
+    }
+  }
+}
+
+// S[MR rows][NV vectors of keys] from int16 queries and an int8 cache's keys: per group, the
+// integer dot products times the query's and the keys' scales. keys[v]: the vector's first key
+// in its block's codes (pairs of dimensions, rows of 2 * block_size bytes); scales[v] likewise.
+template <int MR, int NV>
+void int_key_tile(const int16_t* q, const float* qs, int D, int BS, const int8_t* const* keys,
+                  const fp16* const* scales, float* S, Prefetch* pf) {
+  const int groups = D / kScaleGroup;
+  for (int g = 0; g < groups; ++g) {
+    vint acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = izero();
+    for (int i = g * kScaleGroup / 2; i < (g + 1) * kScaleGroup / 2; ++i) {  // pairs of dims
+      if (pf) pf->step(kPrefetchPerStep);
+      vint b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = widen(keys[v] + int64_t(i) * BS * 2);
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, q + int64_t(m) * D + 2 * i, sizeof(pair));
+        const vint a = iset(pair);
+        for (int v = 0; v < NV; ++v) acc[m][v] = dot2(acc[m][v], b[v], a);
+      }
+    }
+    vfloat ks[NV];
+    for (int v = 0; v < NV; ++v) ks[v] = vload(scales[v] + g * BS);
+    for (int m = 0; m < MR; ++m) {
+      const vfloat qsc = vset(qs[m * groups + g]);
+      for (int v = 0; v < NV; ++v) {
+        float* dst = S + m * kTileTokens + v * kWidth;
+        const vfloat f = vmul(ifloat(acc[m][v]), qsc);
+        vstore(dst, g == 0 ? vmul(f, ks[v]) : vfma(f, ks[v], vload(dst)));
+      }
+    }
+  }
+}
+
+template <int NV, int... R>
+constexpr auto int_key_kernels(std::integer_sequence<int, R...>) {
+  return std::array{&int_key_tile<R + 1, NV>...};
+}
+
+// The int8 cache's key product: as key_product, for int16 queries (`q`, `qs`: the rows' codes
+// and scales).
+void key_product_int8(int rows, int D, int BS, const int16_t* q, const float* qs, const int8_t* k_cache,
+                      const int32_t* blocks, int nblk, int KVH, int h, int64_t chunk, float* Sh, Prefetch& pf) {
+  constexpr int NV = kMaxPanel;
+  static constexpr auto wide = int_key_kernels<NV>(std::make_integer_sequence<int, kIntRows>{});
+  static constexpr auto one = int_key_kernels<1>(std::make_integer_sequence<int, kIntRows>{});
+  const int bvec = BS / kWidth, ncols = nblk * bvec, groups = D / kScaleGroup;
+  const int8_t* keys[kMaxCols];
+  const fp16* scales[kMaxCols];
+  for (int j = 0; j < nblk; ++j) {
+    const int8_t* base = k_cache + (int64_t(blocks[j]) * KVH + h) * chunk;
+    for (int c = 0; c < bvec; ++c) {
+      keys[j * bvec + c] = base + c * kWidth * 2;
+      scales[j * bvec + c] = reinterpret_cast<const fp16*>(base + int64_t(D) * BS) + c * kWidth;
+    }
+  }
+  for (int c = 0; c < ncols;) {
+    const bool full = ncols - c >= NV;
+    for (int m0 = 0; m0 < rows; m0 += kIntRows) {
+      const int mr = std::min(kIntRows, rows - m0);
+      (full ? wide : one)[mr - 1](q + int64_t(m0) * D, qs + m0 * groups, D, BS, keys + c, scales + c,
+                                  Sh + m0 * kTileTokens + c * kWidth, &pf);
+    }
+    c += full ? NV : 1;
+  }
+  pf.finish();
+}
+
+// Per row and 32-dimension group: the weights times the values' scales for those dimensions,
+// rounded to int16 with one scale for the tile (`codes` [rows][groups][kTileTokens], `scales`
+// [rows][groups]); weights past the tile's `ntok` keys are zero. value_scales[c]: the scales
+// of the tile's c-th vector of keys.
+void round_weights(const float* P, int rows, int D, int BS, int ntok, const fp16* const* value_scales,
+                   int16_t* codes, float* scales) {
+  const int groups = D / kScaleGroup, nvec = (ntok + kWidth - 1) / kWidth;
+  float w[kTileTokens];
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < groups; ++g) {
+      vfloat vmaxw = vzero();
+      for (int c = 0; c < nvec; ++c) {
+        const vfloat x = vmul(vload(P + r * kTileTokens + c * kWidth), vload(value_scales[c] + g * BS));
+        vstore(w + c * kWidth, x);
+        vmaxw = vmax(vmaxw, x);
+      }
+      std::fill(w + ntok, w + nvec * kWidth, 0.0f);
+      const float scale = vhmax(vmaxw) / kQuantMax;
+      scales[r * groups + g] = scale;
+      const vfloat inv = vset(scale > 0.0f ? 1.0f / scale : 0.0f);
+      int16_t* out = codes + (int64_t(r) * groups + g) * kTileTokens;
+      for (int c = 0; c < nvec; ++c) istore16(out + c * kWidth, iround(vmul(vload(w + c * kWidth), inv)));
+    }
+}
+
+// O[MR rows][NG groups' columns] += the int16 weights' products with an int8 cache's values
+// (pairs of keys, rows of 2 * head_dim bytes; `blocks` at the first group's columns), times
+// each row's weight scale per group. w: row m's group g at w + m * ldw + g * kTileTokens.
+template <int MR, int NG>
+void int_value_tile(const int16_t* w, int64_t ldw, const float* ws, int64_t ldws, int D, int BS, int ntok,
+                    const int8_t* const* blocks, float* O, Prefetch* pf) {
+  constexpr int NV = NG * kIntCols;
+  vint acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = izero();
+  for (int j = 0, t0 = 0; t0 < ntok; ++j, t0 += BS) {
+    const int8_t* row = blocks[j];
+    const int t1 = std::min(ntok, t0 + BS);
+    for (int t = t0; t < t1; t += 2, row += 2 * D) {
+      if (pf) pf->step(kPrefetchPerStep);
+      vint b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = widen(row + v * kWidth * 2);
+      for (int m = 0; m < MR; ++m)
+        for (int g = 0; g < NG; ++g) {
+          int32_t pair;
+          std::memcpy(&pair, w + m * ldw + g * kTileTokens + t, sizeof(pair));
+          const vint a = iset(pair);
+          for (int v = 0; v < kIntCols; ++v) acc[m][g * kIntCols + v] = dot2(acc[m][g * kIntCols + v], b[g * kIntCols + v], a);
+        }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < NG; ++g) {
+      const vfloat scale = vset(ws[m * ldws + g]);
+      for (int v = 0; v < kIntCols; ++v) {
+        float* dst = O + m * D + (g * kIntCols + v) * kWidth;
+        vstore(dst, vfma(ifloat(acc[m][g * kIntCols + v]), scale, vload(dst)));
+      }
+    }
+}
+
+template <int NG, int... R>
+constexpr auto int_value_kernels(std::integer_sequence<int, R...>) {
+  return std::array{&int_value_tile<R + 1, NG>...};
+}
+
+// The int8 cache's value product: as value_product, from the float weights P.
+void value_product_int8(int rows, int D, int BS, int ntok, const float* Ph, const int8_t* v_cache,
+                        const int32_t* blocks, int KVH, int h, int64_t chunk, float* Oh, int16_t* wcodes,
+                        float* wscales, Prefetch& pf) {
+  constexpr int NG = kRegisters == 32 ? 2 : 1;  // groups a pass (their accumulators in registers)
+  static constexpr auto kernels = int_value_kernels<NG>(std::make_integer_sequence<int, kIntRows>{});
+  static constexpr auto single = int_value_kernels<1>(std::make_integer_sequence<int, kIntRows>{});
+  const int nblk = (ntok + BS - 1) / BS, groups = D / kScaleGroup, bvec = BS / kWidth;
+  const int8_t* bases[kTileTokens];
+  const fp16* scales[kMaxCols];
+  for (int j = 0; j < nblk; ++j) {
+    bases[j] = v_cache + (int64_t(blocks[j]) * KVH + h) * chunk;
+    for (int c = 0; c < bvec; ++c)
+      scales[j * bvec + c] = reinterpret_cast<const fp16*>(bases[j] + int64_t(D) * BS) + c * kWidth;
+  }
+  round_weights(Ph, rows, D, BS, ntok, scales, wcodes, wscales);
+  const int first = pf.done, last = std::min(pf.stop, pf.total);
+  for (int g = 0; g < groups;) {
+    const int ng = groups - g >= NG ? NG : 1;
+    const int8_t* group_bases[kTileTokens];
+    for (int j = 0; j < nblk; ++j) group_bases[j] = bases[j] + g * kScaleGroup * 2;
+    pf.stop = first + (last - first) * (g + ng) / groups;
+    for (int m0 = 0; m0 < rows; m0 += kIntRows) {
+      const int mr = std::min(kIntRows, rows - m0);
+      (ng == NG ? kernels : single)[mr - 1](wcodes + (int64_t(m0) * groups + g) * kTileTokens,
+                                            int64_t(groups) * kTileTokens, wscales + m0 * groups + g, groups, D, BS,
+                                            ntok, group_bases, Oh + m0 * D + g * kScaleGroup, &pf);
+    }
+    g += ng;
+  }
+  pf.finish();
+}
+
+// Oh[r] += sum_j P[r][j] v_j for the rows of KV head h over the tile's `ntok` keys.
+template <typename Kind, typename VT>
+void value_product(int rows, int D, int BS, int ntok, const typename Kind::AType* Ph, const VT* v_cache,
+                   const int32_t* blocks, int KVH, int h, int64_t chunk, float* Oh, const VT** cols,
+                   Prefetch& pf) {
+  constexpr int step = Kind::kStep;
+  const int dvec = D / kWidth, nblk = (ntok + BS - 1) / BS;
+  for (int j = 0; j < nblk; ++j) {
+    const VT* base = v_cache + (int64_t(blocks[j]) * KVH + h) * chunk;
+    for (int c = 0; c < dvec; ++c) cols[j * dvec + c] = base + c * kWidth * step;
+  }
+  small_gemm<Kind>(rows, dvec, ntok, Ph, kTileTokens, cols, dvec, BS, int64_t(D) * step, Oh, D, true, &pf);
+}
+
+template <typename QT, typename KT, typename VT>
+void attend(const Layout& L, const Item& it, const Item* next, const QT* q, const KT* k_cache,
+            const VT* v_cache, QT* out, float* partials) {
+  using KindK = typename KindFor<QT, KT>::type;
+  using KindV = typename KindFor<QT, VT>::type;
+  using AK = typename KindK::AType;
+  using AV = typename KindV::AType;
+  constexpr CacheKind k_kind = std::is_same<KT, int8_t>::value ? CacheKind::kInt8
+                               : std::is_same<KT, bf16>::value ? CacheKind::kPairs : CacheKind::kPlain;
+  constexpr CacheKind v_kind = std::is_same<VT, int8_t>::value ? CacheKind::kInt8
+                               : std::is_same<VT, bf16>::value ? CacheKind::kPairs : CacheKind::kPlain;
   const int G = L.group, D = L.head_dim, BS = L.block_size, H = L.num_heads;
   const int KVH = L.num_kv_heads;
   const int M = rows_of(L, it.q_begin, it.q_end);
@@ -183,29 +461,39 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
   const int q_len = L.query_start[it.seq + 1] - q0;
   const int first_pos = L.seq_lens[it.seq] - q_len;
   const int dvec = D / kWidth, bvec = BS / kWidth;
-  const int64_t head_elems = int64_t(D) * BS;  // one KV head's part of a block
+  const int64_t k_chunk = chunk_elems(k_kind, D, BS), v_chunk = chunk_elems(v_kind, D, BS);
   Scratch& sc = thread_scratch();
   sc.reserve(M, D);
   float *S = sc.s.data(), *O = sc.o.data();
   float *row_max = sc.m.data(), *row_sum = sc.l.data();
-  A* Q = nullptr;
-  A* P = nullptr;
-  if constexpr (std::is_same<A, float>::value) {
+  AK* Q = nullptr;
+  AV* P = nullptr;
+  if constexpr (std::is_same<AK, float>::value) {
     Q = sc.q.data();
-    P = S;  // the weights overwrite the scores in place
   } else {
     Q = sc.qb.data();
+  }
+  if constexpr (std::is_same<AV, float>::value) {
+    P = S;  // the weights overwrite the scores in place
+  } else {
     P = sc.pb.data();
   }
   auto token_of = [&](int r) { return q0 + it.q_begin + (r % MH) / G; };
   auto head_of = [&](int r) { return (r / MH) * G + (r % MH) % G; };
 
-  for (int r = 0; r < M; ++r) {
-    const QT* src = q + (int64_t(token_of(r)) * H + head_of(r)) * D;
-    if constexpr (std::is_same<A, QT>::value) {
-      std::copy(src, src + D, Q + r * D);
-    } else {
-      for (int c = 0; c < dvec; ++c) vstore(Q + r * D + c * kWidth, vload(src + c * kWidth));
+  const int groups = D / kScaleGroup;
+  if constexpr (k_kind == CacheKind::kInt8) {
+    for (int r = 0; r < M; ++r)
+      round_queries<QT>(q + (int64_t(token_of(r)) * H + head_of(r)) * D, D, sc.qi.data() + int64_t(r) * D,
+                        sc.qis.data() + r * groups);
+  } else {
+    for (int r = 0; r < M; ++r) {
+      const QT* src = q + (int64_t(token_of(r)) * H + head_of(r)) * D;
+      if constexpr (std::is_same<AK, QT>::value) {
+        std::copy(src, src + D, Q + r * D);
+      } else {
+        for (int c = 0; c < dvec; ++c) vstore(Q + r * D + c * kWidth, vload(src + c * kWidth));
+      }
     }
   }
   std::fill(O, O + int64_t(M) * D, 0.0f);
@@ -213,7 +501,8 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
   std::fill(row_sum, row_sum + M, 0.0f);
 
   const int32_t* table = L.block_tables + it.seq * L.table_stride;
-  const KT* cols[kMaxCols];
+  const KT* kcols[kMaxCols];
+  const VT* vcols[kMaxCols];
   const vfloat scale = vset(L.scale);
   const int limit = std::min(it.kv_end, first_pos + it.q_end);
   const int tile = kTileTokens / BS * BS;  // whole blocks
@@ -226,7 +515,7 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
     const int ntok = t1 - t0;
     const int nblk = (ntok + BS - 1) / BS;
     const int ncols = nblk * bvec;
-    const int first_block = t0 / BS;
+    const int32_t* blocks = table + t0 / BS;
     // The blocks of the next tile: this item's, or after its last one the first of the item
     // this thread takes next, so that no item starts cold.
     const int32_t* next_table = table + t1 / BS;
@@ -242,28 +531,28 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
     // one's values are summed (the blocks are scattered, which defeats the hardware
     // prefetchers: scattered 2 KB reads ran at 10 GB/s without, 24 with a prefetch ahead).
     Prefetch pf;
-    const int lines = int(head_elems * int64_t(sizeof(KT)) / 64);
+    plan_prefetch<KT>(pf, k_cache, next_table, next_blocks, KVH, k_chunk);
     for (int h = 0; h < KVH; ++h) {
-      plan_prefetch<KT>(pf, k_cache, next_table, next_blocks, KVH, h, head_elems, lines);
-      // Scores S[r][j] = q_r . k_j: columns are the tile's keys, block by block.
-      for (int j = 0; j < nblk; ++j) {
-        const KT* base = k_cache + (int64_t(table[first_block + j]) * KVH + h) * head_elems;
-        for (int c = 0; c < bvec; ++c) cols[j * bvec + c] = base + c * kWidth * step;
+      pf.stop = int(int64_t(pf.total) * (h + 1) / KVH);
+      if constexpr (k_kind == CacheKind::kInt8) {
+        key_product_int8(MH, D, BS, sc.qi.data() + int64_t(h) * MH * D, sc.qis.data() + h * MH * groups, k_cache,
+                         blocks, nblk, KVH, h, k_chunk, S + h * MH * kTileTokens, pf);
+      } else {
+        key_product<KindK, KT>(MH, D, BS, Q + h * MH * D, k_cache, blocks, nblk, KVH, h, k_chunk,
+                               S + h * MH * kTileTokens, kcols, pf);
       }
-      small_gemm<Kind>(MH, ncols, D, Q + h * MH * D, D, cols, 0, D, int64_t(BS) * step,
-                       S + h * MH * kTileTokens, kTileTokens, false, &pf);
     }
 
     // Online softmax in base 2: mask past each row's last visible key, rescale what came before.
     for (int r = 0; r < M; ++r) {
       float* srow = S + r * kTileTokens;
-      A* prow = P + r * kTileTokens;
+      AV* prow = P + r * kTileTokens;
       const int pos = first_pos + it.q_begin + (r % MH) / G;
       const int visible = std::min(pos + 1, t1) - t0;
       // Keys before the row's window (sliding window attention) are masked like future ones.
       const int hidden = L.window > 0 ? std::max(0, pos - L.window + 1 - t0) : 0;
       if (visible <= hidden) {
-        std::fill(prow, prow + ncols * kWidth, A(0.0f));
+        std::fill(prow, prow + ncols * kWidth, AV(0.0f));
         continue;
       }
       std::fill(srow, srow + hidden, kNegInf);
@@ -289,14 +578,16 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
     }
 
     // O += P V: rows are the tile's keys, one segment per block.
+    plan_prefetch<VT>(pf, v_cache, next_table, next_blocks, KVH, v_chunk);
     for (int h = 0; h < KVH; ++h) {
-      plan_prefetch<KT>(pf, v_cache, next_table, next_blocks, KVH, h, head_elems, lines);
-      for (int j = 0; j < nblk; ++j) {
-        const KT* base = v_cache + (int64_t(table[first_block + j]) * KVH + h) * head_elems;
-        for (int c = 0; c < dvec; ++c) cols[j * dvec + c] = base + c * kWidth * step;
+      pf.stop = int(int64_t(pf.total) * (h + 1) / KVH);
+      if constexpr (v_kind == CacheKind::kInt8) {
+        value_product_int8(MH, D, BS, ntok, P + h * MH * kTileTokens, v_cache, blocks, KVH, h, v_chunk,
+                           O + h * MH * D, sc.wi.data(), sc.wis.data(), pf);
+      } else {
+        value_product<KindV, VT>(MH, D, BS, ntok, P + h * MH * kTileTokens, v_cache, blocks, KVH, h, v_chunk,
+                                 O + h * MH * D, vcols, pf);
       }
-      small_gemm<Kind>(MH, dvec, ntok, P + h * MH * kTileTokens, kTileTokens, cols, dvec, BS,
-                       int64_t(D) * step, O + h * MH * D, D, true, &pf);
     }
   }
 
@@ -340,7 +631,7 @@ void merge(const Layout& L, const Split& sp, const float* partials, QT* out) {
   }
 }
 
-template <typename QT, typename KT>
+template <typename QT, typename KT, typename VT>
 void run(const Layout& L, int num_seqs, const at::Tensor& q, const at::Tensor& k_cache,
          const at::Tensor& v_cache, at::Tensor& out) {
   const int threads = at::get_num_threads();
@@ -351,7 +642,7 @@ void run(const Layout& L, int num_seqs, const at::Tensor& q, const at::Tensor& k
   std::unique_ptr<float[]> partials(partial_floats ? new float[partial_floats] : nullptr);
   const QT* qp = reinterpret_cast<const QT*>(q.data_ptr());
   const KT* kp = reinterpret_cast<const KT*>(k_cache.data_ptr());
-  const KT* vp = reinterpret_cast<const KT*>(v_cache.data_ptr());
+  const VT* vp = reinterpret_cast<const VT*>(v_cache.data_ptr());
   QT* op = reinterpret_cast<QT*>(out.data_ptr());
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -360,7 +651,7 @@ void run(const Layout& L, int num_seqs, const at::Tensor& q, const at::Tensor& k
     while (i < items.size()) {
       const size_t j = next.fetch_add(1);
       const Item* after = j < items.size() ? &items[j] : nullptr;
-      attend<QT, KT>(L, items[i], after, qp, kp, vp, op, partials.get());
+      attend<QT, KT, VT>(L, items[i], after, qp, kp, vp, op, partials.get());
       i = j;
     }
   });
@@ -371,15 +662,31 @@ void run(const Layout& L, int num_seqs, const at::Tensor& q, const at::Tensor& k
   }
 }
 
+// The cache dtypes taken: K and V alike, or one of them int8 beside a float one.
+template <typename F>
+void with_cache_types(at::ScalarType kt, at::ScalarType vt, const F& f) {
+  auto with_float = [](at::ScalarType t, const auto& g) {
+    switch (t) {
+      case at::kFloat: return g(float{});
+      case at::kBFloat16: return g(bf16{});
+      case at::kHalf: return g(fp16{});
+      default: TORCH_CHECK(false, "quill::paged_attention: KV cache dtype ", t, " is not supported");
+    }
+  };
+  if (kt == at::kChar && vt == at::kChar) return f(int8_t{}, int8_t{});
+  if (kt == at::kChar) return with_float(vt, [&](auto v) { return f(int8_t{}, v); });
+  if (vt == at::kChar) return with_float(kt, [&](auto k) { return f(k, int8_t{}); });
+  TORCH_CHECK(kt == vt, "quill::paged_attention: K cache ", kt, " and V cache ", vt,
+              " differ (only int8 beside a float type)");
+  return with_float(kt, [&](auto k) { return f(k, k); });
+}
+
 template <typename QT>
 void run_q(const Layout& L, int num_seqs, const at::Tensor& q, const at::Tensor& k_cache,
            const at::Tensor& v_cache, at::Tensor& out) {
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: return run<QT, float>(L, num_seqs, q, k_cache, v_cache, out);
-    case at::kBFloat16: return run<QT, bf16>(L, num_seqs, q, k_cache, v_cache, out);
-    case at::kHalf: return run<QT, fp16>(L, num_seqs, q, k_cache, v_cache, out);
-    default: TORCH_CHECK(false, "quill::paged_attention: KV cache dtype ", k_cache.scalar_type(), " is not supported");
-  }
+  with_cache_types(k_cache.scalar_type(), v_cache.scalar_type(), [&](auto k, auto v) {
+    run<QT, decltype(k), decltype(v)>(L, num_seqs, q, k_cache, v_cache, out);
+  });
 }
 
 template <typename QT, typename KT>
@@ -390,27 +697,33 @@ std::string kind_name() {
   if constexpr (std::is_same<Kind, DotPairs>::value) return "bf16 dot products (vdpbf16ps)";
 #endif
   if constexpr (std::is_same<KT, fp16>::value) return "fp32 FMA on fp16 (F16C)";
+#if defined(QUILL_AVX512)
+  if constexpr (std::is_same<KT, int8_t>::value) return "int8 codes widened, int16 dot products (vpdpwssd)";
+#else
+  if constexpr (std::is_same<KT, int8_t>::value) return "int8 codes widened, int16 dot products (vpmaddwd)";
+#endif
   return "fp32 FMA";
 }
 
 template <typename QT>
-std::string kind_name_q(at::ScalarType kv) {
-  switch (kv) {
-    case at::kFloat: return kind_name<QT, float>();
-    case at::kBFloat16: return kind_name<QT, bf16>();
-    case at::kHalf: return kind_name<QT, fp16>();
-    default: return "unsupported";
-  }
+std::string kind_name_q(at::ScalarType k_dtype, at::ScalarType v_dtype) {
+  std::string name;
+  with_cache_types(k_dtype, v_dtype, [&](auto k, auto v) {
+    const std::string kn = kind_name<QT, decltype(k)>();
+    const std::string vn = kind_name<QT, decltype(v)>();
+    name = kn == vn ? kn : "keys: " + kn + "; values: " + vn;
+  });
+  return name;
 }
 
 }  // namespace
 
-std::string attention_kernel(at::ScalarType q_dtype, at::ScalarType kv_dtype) {
+std::string attention_kernel(at::ScalarType q_dtype, at::ScalarType k_dtype, at::ScalarType v_dtype) {
   std::string name;
   switch (q_dtype) {
-    case at::kFloat: name = kind_name_q<float>(kv_dtype); break;
-    case at::kBFloat16: name = kind_name_q<bf16>(kv_dtype); break;
-    case at::kHalf: name = kind_name_q<fp16>(kv_dtype); break;
+    case at::kFloat: name = kind_name_q<float>(k_dtype, v_dtype); break;
+    case at::kBFloat16: name = kind_name_q<bf16>(k_dtype, v_dtype); break;
+    case at::kHalf: name = kind_name_q<fp16>(k_dtype, v_dtype); break;
     default: name = "unsupported";
   }
   return name + ", " + std::to_string(kWidth * 32) + "-bit vectors";

@@ -84,9 +84,16 @@ inline void split_pairs(const bf16* p, vfloat& even, vfloat& odd) {
 struct Prefetch {
   const char* bases[64];  // one per block
   int lines_per_base = 0, total = 0, done = 0;
+  int stop = 1 << 30;     // lines to have asked for by the end of the current product
+  int base = 0, line = 0;  // where `done` is: line `line` of bases[base] (no division a step)
   void step(int n) {
-    for (int end = std::min(total, done + n); done < end; ++done)
-      _mm_prefetch(bases[done / lines_per_base] + 64 * (done % lines_per_base), _MM_HINT_T1);
+    for (int end = std::min(std::min(total, stop), done + n); done < end; ++done) {
+      _mm_prefetch(bases[base] + 64 * line, _MM_HINT_T1);
+      if (++line == lines_per_base) {
+        line = 0;
+        ++base;
+      }
+    }
   }
   void finish() { step(total); }
 };

@@ -77,7 +77,7 @@ TORCH_LIBRARY(quill, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("score_rows(Tensor x, Tensor targets) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("isa() -> str", &quill::isa);
-  m.def("attention_kernel(ScalarType q_dtype, ScalarType kv_dtype) -> str", &quill::attention_kernel);
+  m.def("attention_kernel(ScalarType q_dtype, ScalarType k_dtype, ScalarType v_dtype) -> str", &quill::attention_kernel);
 }
 
 TORCH_LIBRARY_IMPL(quill, CPU, m) {

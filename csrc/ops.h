@@ -36,7 +36,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            double scale, int64_t window = 0);
 
 // How paged_attention multiplies for these dtypes in this library, for the start-up log.
-std::string attention_kernel(at::ScalarType q_dtype, at::ScalarType kv_dtype);
+std::string attention_kernel(at::ScalarType q_dtype, at::ScalarType k_dtype, at::ScalarType v_dtype);
 
 // Reads `buffer` (fp32) `repeats` times with `num_threads` threads (1, or all of torch's) and
 // returns [best seconds of one read, checksum] as float64: the machine's read bandwidth, which

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from quill.contract.kv_format import parse_kv_cache_dtype
+
 
 def cache_dir() -> Path:
     """Where quill keeps what it made once: converted models, compiled code, calibrations."""
@@ -18,7 +20,6 @@ def cache_dir() -> Path:
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
 # auto: 16-bit, as the model's dtype when that is 16-bit, else bf16 where the CPU has bf16
 # arithmetic and fp16 (F16C) where it does not.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -120,7 +121,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     kv_cache_memory: int | None = None  # bytes for the KV pool; default from free memory
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (vLLM's flag)
+    # auto | float32 | bfloat16 | float16 | int8, or K,V apart (quill/contract/kv_format.py)
+    kv_cache_dtype: str = "auto"
     compile: bool = False  # torch.compile with bucketed batch sizes (slow start, faster steps)
     # Weight-only quantization: none | int8 | int4 | auto (auto measures here at start-up and
     # keeps an int8 copy for the batch sizes where it is faster than the float weights).
@@ -236,10 +238,5 @@ class EngineConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"unknown dtype {self.dtype!r}")
-        aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-        self.kv_cache_dtype = aliases.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (auto | float32 | bfloat16 | "
-                "float16)"
-            )
+        key, value = parse_kv_cache_dtype(self.kv_cache_dtype)
+        self.kv_cache_dtype = key if key == value else f"{key},{value}"

@@ -10,7 +10,7 @@ import argparse
 import os
 
 from quill.argtypes import checked, positive, rate
-from quill.config import KV_CACHE_DTYPES, QUANTIZATIONS, SchedulingPolicy
+from quill.config import QUANTIZATIONS, SchedulingPolicy
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,9 +153,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="how the KV cache is stored; auto: 16-bit (the model's dtype if 16-bit, else bf16 "
-        "where the CPU has bf16 arithmetic, fp16 where not)",
+        help="how the KV cache is stored: auto | float32 | bfloat16 | float16 | int8 (codes "
+        "with an fp16 scale per 32 dimensions: half the bytes), or K,V apart (e.g. "
+        "bfloat16,int8); auto: 16-bit (the model's dtype if 16-bit, else bf16 where the CPU "
+        "has bf16 arithmetic, fp16 where not)",
     )
     parser.add_argument(
         "--enable-prefix-caching",

@@ -32,23 +32,92 @@ needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library buil
 PATHS = ["reference", pytest.param("native", marks=needs_native)]
 
 
-def to_cache(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This file's own int8 quantizer, the cache's rule: per 32 dimensions of a token's head
+    an fp16 scale s = fp16(max |x| / 127) and codes round-half-even(x / s) in [-127, 127]."""
+    groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    s16 = (groups.abs().amax(-1) / 127).half()
+    s = s16.float().unsqueeze(-1)
+    codes = torch.where(s > 0, (groups / s).round(), torch.zeros(())).clamp(-127, 127)
+    return codes.to(torch.int8).reshape(x.shape), s16
+
+
+def rounded_queries(q: torch.Tensor) -> torch.Tensor:
+    """Queries as both paths multiply them against int8 keys: per 32 dimensions the fp32
+    scale max |q| / 32767 and int16 codes round-half-even(q * (1 / scale)), in float64."""
+    groups = q.float().reshape(*q.shape[:-1], q.shape[-1] // 32, 32)
+    s = groups.abs().amax(-1, keepdim=True) / 32767
+    codes = torch.where(s > 0, (groups * (1 / s)).round(), torch.zeros(()))
+    return (codes.double() * s.double()).reshape(q.shape)
+
+
+def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a cache of `dtype` holds for x, as logical values (int8: codes times scales)."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    codes, s16 = int8_codes(x)
+    return (codes.float().unflatten(-1, (-1, 32)) * s16.float().unsqueeze(-1)).flatten(-2)
+
+
+def to_cache(
+    keys: torch.Tensor, values: torch.Tensor, k_dtype: torch.dtype, v_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logical [blocks, kv_heads, block_size, head_dim] keys and values in the cache layout:
-    keys transposed in each block; bf16 with row pairs interleaved (csrc/cache_layout.h)."""
+    keys transposed in each block; bf16 with row pairs interleaved; int8 codes then fp16
+    scales [head_dim / 32, block_size] per (block, head) chunk (csrc/cache_layout.h)."""
     n, h, bs, d = keys.shape
-    if keys.dtype != torch.bfloat16:
-        return keys.transpose(2, 3).contiguous(), values.contiguous()
-    k = keys.view(n, h, bs, d // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
-    v = values.view(n, h, bs // 2, 2, d).permute(0, 1, 2, 4, 3).contiguous()
+
+    def chunks(codes: torch.Tensor, s16: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        scale_bytes = s16.transpose(2, 3).contiguous().view(torch.int8).reshape(n, h, -1)
+        both = torch.cat([codes.reshape(n, h, -1), scale_bytes], dim=2)
+        return both.view(n, h, rows // 16 * 17, cols)
+
+    if k_dtype == torch.int8:  # codes in the bf16 layout's pairs: keys [D / 2, S, 2]
+        codes, s16 = int8_codes(keys)
+        pairs = codes.view(n, h, bs, d // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+        k = chunks(pairs, s16, d, bs)
+    elif k_dtype == torch.bfloat16:
+        k = keys.to(k_dtype).view(n, h, bs, d // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
+    else:
+        k = keys.to(k_dtype).transpose(2, 3).contiguous()
+    if v_dtype == torch.int8:  # values [S / 2, D, 2]
+        codes, s16 = int8_codes(values)
+        pairs = codes.view(n, h, bs // 2, 2, d).permute(0, 1, 2, 4, 3).contiguous()
+        v = chunks(pairs, s16, bs, d)
+    elif v_dtype == torch.bfloat16:
+        v = values.to(v_dtype).view(n, h, bs // 2, 2, d).permute(0, 1, 2, 4, 3).contiguous()
+    else:
+        v = values.to(v_dtype).contiguous()
     return k, v
 
 
-def from_cache(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if k.dim() == 4:
-        return k.transpose(2, 3), v
-    n, h, d2, bs, _ = k.shape
-    keys = k.permute(0, 1, 3, 2, 4).reshape(n, h, bs, 2 * d2)
-    values = v.permute(0, 1, 2, 4, 3).reshape(n, h, bs, v.shape[3])
+def from_cache(
+    k: torch.Tensor, v: torch.Tensor, block_size: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, h, bs, d = k.shape[0], k.shape[1], block_size, head_dim
+
+    def dequantized(cache: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        flat = cache.reshape(n, h, -1)
+        codes = flat[:, :, : rows * cols].reshape(n, h, rows, cols).float()
+        s16 = flat[:, :, rows * cols :].contiguous().view(torch.float16).reshape(n, h, d // 32, bs)
+        return codes, s16.float()
+
+    if k.dtype == torch.int8:
+        pairs, s = dequantized(k, d, bs)  # [n, h, D, S] as read, scales [n, h, D / 32, S]
+        codes = pairs.reshape(n, h, d // 2, bs, 2).permute(0, 1, 3, 2, 4).reshape(n, h, bs, d)
+        keys = codes * s.transpose(2, 3).repeat_interleave(32, dim=3)
+    elif k.dim() == 5:
+        keys = k.permute(0, 1, 3, 2, 4).reshape(n, h, bs, d)
+    else:
+        keys = k.transpose(2, 3)
+    if v.dtype == torch.int8:
+        pairs, s = dequantized(v, bs, d)  # [n, h, S, D] as read
+        codes = pairs.reshape(n, h, bs // 2, d, 2).permute(0, 1, 2, 4, 3).reshape(n, h, bs, d)
+        values = codes * s.transpose(2, 3).repeat_interleave(32, dim=3)
+    elif v.dim() == 5:
+        values = v.permute(0, 1, 2, 4, 3).reshape(n, h, bs, d)
+    else:
+        values = v
     return keys, values
 
 
@@ -77,16 +146,19 @@ def random_step(
     head_dim: int = 64,
     block_size: int = 16,
     q_dtype: torch.dtype = torch.float32,
-    kv_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | tuple[torch.dtype, torch.dtype] = torch.float32,
     padding: int = 0,
     window: int = 0,
 ) -> Step:
+    """`kv_dtype`: the cache's, or (the K cache's, the V cache's)."""
+    k_dtype, v_dtype = kv_dtype if isinstance(kv_dtype, tuple) else (kv_dtype, kv_dtype)
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     needed = sum(-(-(s + q) // block_size) + 1 for s, q in zip(starts, q_lens))
     num_blocks = needed + 2  # and one scratch block at the end, for padding tokens
     shape = (num_blocks + 1, kv_heads, block_size, head_dim)
-    keys = torch.randn(shape, generator=gen).to(kv_dtype)
-    values = torch.randn(shape, generator=gen).to(kv_dtype)
+    # The logical keys and values: what the cache holds, exactly (int8's decoded in fp32).
+    keys = stored(torch.randn(shape, generator=gen), k_dtype)
+    values = stored(torch.randn(shape, generator=gen), v_dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     seqs = []
@@ -105,12 +177,13 @@ def random_step(
         for s in seqs
         for p in range(s.start, s.context_len)
     ] + [num_blocks * block_size] * padding
-    k_cache, v_cache = to_cache(keys, values)
+    k_cache, v_cache = to_cache(keys, values, k_dtype, v_dtype)
 
     new_keys, new_values = keys.clone(), values.clone()
     for row, slot in enumerate(slots[:num_tokens]):
-        new_keys[slot // block_size, :, slot % block_size] = k[row].to(kv_dtype)
-        new_values[slot // block_size, :, slot % block_size] = v[row].to(kv_dtype)
+        block, offset = slot // block_size, slot % block_size
+        new_keys[block, :, offset] = stored(k[row], k_dtype).to(keys.dtype)
+        new_values[block, :, offset] = stored(v[row], v_dtype).to(values.dtype)
     scale = head_dim**-0.5
     expected = torch.zeros(q.shape, dtype=torch.float64)
     row = 0
@@ -121,7 +194,12 @@ def random_step(
         ks = new_keys[blocks].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx].double()
         vs = new_values[blocks].transpose(1, 2).reshape(-1, kv_heads, head_dim)[:ctx].double()
         ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # [ctx, H, D]
-        scores = torch.einsum("qhd,khd->hqk", q[row : row + n].double(), ks) * scale
+        queries = (
+            q[row : row + n].double()
+            if k_dtype != torch.int8
+            else rounded_queries(q[row : row + n])
+        )
+        scores = torch.einsum("qhd,khd->hqk", queries, ks) * scale
         visible = torch.arange(ctx)[None, :] <= torch.arange(s.start, ctx)[:, None]
         if window:  # sliding window: the query at p sees keys p - window + 1 .. p
             visible &= torch.arange(ctx)[None, :] > torch.arange(s.start, ctx)[:, None] - window
@@ -135,7 +213,7 @@ def random_step(
                 keys[table[i]] = values[table[i]] = float("nan")
                 new_keys[table[i]] = new_values[table[i]] = float("nan")
                 table[i] = NULL_BLOCK
-        k_cache, v_cache = to_cache(keys, values)
+        k_cache, v_cache = to_cache(keys, values, k_dtype, v_dtype)
     return Step(
         q,
         k,
@@ -173,9 +251,9 @@ def run(step: Step, path: str) -> torch.Tensor:
 
 def check(step: Step, out: torch.Tensor, atol: float, rtol: float) -> None:
     torch.testing.assert_close(out.double().cpu(), step.expected, atol=atol, rtol=rtol)
-    keys, values = from_cache(step.k_cache.cpu(), step.v_cache.cpu())
+    block_size, head_dim = step.expected_keys.shape[2], step.expected_keys.shape[3]
+    keys, values = from_cache(step.k_cache.cpu(), step.v_cache.cpu(), block_size, head_dim)
     num_tokens = sum(len(s.token_ids) for s in step.seqs)
-    block_size = step.expected_keys.shape[2]
     used = sorted({slot // block_size for slot in step.slots[:num_tokens].tolist()})
     torch.testing.assert_close(keys[used], step.expected_keys[used], atol=0, rtol=0)
     torch.testing.assert_close(values[used], step.expected_values[used], atol=0, rtol=0)
@@ -183,8 +261,21 @@ def check(step: Step, out: torch.Tensor, atol: float, rtol: float) -> None:
 
 # Bounds: fp32 arithmetic on fp32 (or exactly widened 16-bit) inputs is within float rounding;
 # bf16 queries round the output to bf16 (~2^-9 relative) and the native kernel also rounds the
-# softmax weights to bf16 for its bf16 dot products.
+# softmax weights to bf16 for its bf16 dot products. An int8 cache's logical values are its
+# codes times their scales, exact in fp32, so it is held to the same bounds: the quantization's
+# own error is checked by hand-worked cases below and in tests/test_kv_int8.py.
 TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3)}
+
+
+def tolerance(q_dtype: torch.dtype, kv_dtype, path: str) -> tuple[float, float]:
+    """TOLERANCE, and for the native kernel on int8 values the rounding of the softmax
+    weights to int16 (half a step of a tile's largest weight, 1/65534 of it, per weight)."""
+    atol, rtol = TOLERANCE[q_dtype]
+    v_dtype = kv_dtype[1] if isinstance(kv_dtype, tuple) else kv_dtype
+    if path == "native" and v_dtype == torch.int8:
+        atol, rtol = max(atol, 2e-4), max(rtol, 2e-4)
+    return atol, rtol
+
 
 CASES = {
     "decodes only": ([1, 1, 1, 1], [5, 17, 0, 30]),
@@ -225,6 +316,12 @@ def test_matches_reference(path, case, padding, device):
         (torch.float32, torch.float16),
         (torch.bfloat16, torch.bfloat16),
         (torch.bfloat16, torch.float16),
+        (torch.float32, torch.int8),
+        (torch.bfloat16, torch.int8),
+        (torch.float32, (torch.int8, torch.float32)),
+        (torch.bfloat16, (torch.bfloat16, torch.int8)),
+        (torch.bfloat16, (torch.int8, torch.bfloat16)),
+        (torch.float32, (torch.float16, torch.int8)),
     ],
 )
 @pytest.mark.device
@@ -233,7 +330,7 @@ def test_cache_dtypes(path, q_dtype, kv_dtype, device):
         random.Random(3), [1, 1, 13, 1], [40, 3, 20, 300], q_dtype=q_dtype, kv_dtype=kv_dtype
     )
     step = on(step, device, path)
-    check(step, run(step, path), *TOLERANCE[q_dtype])
+    check(step, run(step, path), *tolerance(q_dtype, kv_dtype, path))
 
 
 @st.composite
@@ -246,7 +343,14 @@ def layouts(draw):
     q_lens = [draw(st.sampled_from([1, 1, 1, draw(st.integers(2, 70))])) for _ in range(n)]
     starts = [draw(st.sampled_from([0, draw(st.integers(0, 40)), draw(st.integers(0, 3000))]))]
     starts += [draw(st.integers(0, 400)) for _ in range(n - 1)]
-    kv_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    floats = [torch.float32, torch.bfloat16, torch.float16]
+    kv_dtype = draw(
+        st.sampled_from(
+            [*floats, torch.int8, torch.int8]
+            + [(torch.int8, f) for f in floats]
+            + [(f, torch.int8) for f in floats]
+        )
+    )
     q_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     return dict(
         q_lens=q_lens,
@@ -264,12 +368,12 @@ def layouts(draw):
 
 
 @needs_native
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts())
 def test_native_random_layouts(case):
     seed = case.pop("seed")
     step = random_step(random.Random(seed), **case)
-    check(step, run(step, "native"), *TOLERANCE[case["q_dtype"]])
+    check(step, run(step, "native"), *tolerance(case["q_dtype"], case["kv_dtype"], "native"))
 
 
 @pytest.mark.device
@@ -289,7 +393,8 @@ def test_reference_random_layouts(device):
         n = rng.randint(1, 5)
         q_lens = [rng.choice([1, 1, rng.randint(2, 30)]) for _ in range(n)]
         starts = [rng.randint(0, 200) for _ in range(n)]
-        kv_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        kv_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.int8])
+        kv_dtype = rng.choice([kv_dtype, (kv_dtype, torch.int8), (torch.int8, kv_dtype)])
         step = random_step(rng, q_lens, starts, kv_dtype=kv_dtype, padding=rng.choice([0, 2]))
         step = on(step, device, "reference")
         check(step, run(step, "reference"), *TOLERANCE[torch.float32])
@@ -321,8 +426,9 @@ def test_reference_custom_op_matches():
 
 
 @needs_native
-def test_native_ops_pass_opcheck():
-    step = random_step(random.Random(5), [1, 6, 1], [20, 9, 3], kv_dtype=torch.bfloat16)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8, (torch.bfloat16, torch.int8)])
+def test_native_ops_pass_opcheck(kv_dtype):
+    step = random_step(random.Random(5), [1, 6, 1], [20, 9, 3], kv_dtype=kv_dtype)
     layout = AttentionLayout(
         16, step.expected_keys.shape[0] - 1, torch.float32, step.q.device, True
     )

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from quill import LLM, SamplingParams
+from quill.contract.kv_format import KVCacheFormat
 from quill.model.loader import resolve_kv_cache_dtype
 from quill.ops import memory
 from tests.conftest import PROMPTS
@@ -34,8 +35,13 @@ def llm16(request, model_dir):
         kv_cache_memory=256 << 20,
         max_num_seqs=64,
     )
-    assert llm.engine.kv_cache_dtype == dtype
+    name = str(dtype).removeprefix("torch.")
+    assert llm.engine.kv_format == KVCacheFormat(name, name)
     return llm
+
+
+def both(name: str) -> KVCacheFormat:
+    return KVCacheFormat(name, name)
 
 
 def test_auto_is_sixteen_bit(monkeypatch):
@@ -43,16 +49,24 @@ def test_auto_is_sixteen_bit(monkeypatch):
     import quill.model.loader as loader
 
     monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
-    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == both("bfloat16")
     monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
-    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == torch.float16
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cpu) == torch.bfloat16
-    assert resolve_kv_cache_dtype("auto", torch.float16, cuda) == torch.float16
-    assert resolve_kv_cache_dtype("auto", torch.float32, cuda) == torch.bfloat16
-    assert resolve_kv_cache_dtype("float32", torch.bfloat16, cpu) == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) == both("float16")
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cpu) == both("bfloat16")
+    assert resolve_kv_cache_dtype("auto", torch.float16, cuda) == both("float16")
+    assert resolve_kv_cache_dtype("auto", torch.float32, cuda) == both("bfloat16")
+    assert resolve_kv_cache_dtype("float32", torch.bfloat16, cpu) == both("float32")
     # float32 weights asked for by name: float32 arithmetic, the cache's too.
-    assert resolve_kv_cache_dtype("auto", torch.float32, cpu, dtype_asked=True) == torch.float32
-    assert resolve_kv_cache_dtype("float16", torch.float32, cpu, dtype_asked=True) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu, dtype_asked=True) == both("float32")
+    assert resolve_kv_cache_dtype("float16", torch.float32, cpu, dtype_asked=True) == both(
+        "float16"
+    )
+    # int8 only by name; K and V apart, either side auto.
+    assert resolve_kv_cache_dtype("int8", torch.bfloat16, cpu) == both("int8")
+    assert resolve_kv_cache_dtype("auto,int8", torch.bfloat16, cpu) == KVCacheFormat(
+        "bfloat16", "int8"
+    )
+    assert resolve_kv_cache_dtype("int8,float32", torch.bfloat16, cpu).name == "int8,float32"
 
 
 def test_the_cost_model_counts_the_kv_bytes_auto_gives():
@@ -62,14 +76,24 @@ def test_the_cost_model_counts_the_kv_bytes_auto_gives():
     assert kv_bytes_per_element("auto", "float32") == 4
     assert kv_bytes_per_element("auto", "bfloat16") == 2
     assert kv_bytes_per_element("float32") == 4
+    # int8: a byte a code and a 2-byte scale per 32 of them; K,V apart: their mean.
+    assert kv_bytes_per_element("int8") == 1.0625
+    assert kv_bytes_per_element("bfloat16,int8") == (2 + 1.0625) / 2
+    assert kv_bytes_per_element("auto,int8", "float32") == (4 + 1.0625) / 2
 
 
-def test_bad_kv_cache_dtype_is_refused():
+def test_kv_cache_dtype_names():
     from quill.config import EngineConfig
 
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int8")
+    for bad in ("int4", "bfloat16,int8,int8", "fp8_e4m3"):
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            EngineConfig(kv_cache_dtype=bad)
+    with pytest.raises(ValueError, match="fp8 KV is not offered"):
+        EngineConfig(kv_cache_dtype="fp8")
     assert EngineConfig(kv_cache_dtype="bf16").kv_cache_dtype == "bfloat16"
+    assert EngineConfig(kv_cache_dtype="q8_0").kv_cache_dtype == "int8"  # llama.cpp's name
+    assert EngineConfig(kv_cache_dtype="bf16, int8").kv_cache_dtype == "bfloat16,int8"
+    assert EngineConfig(kv_cache_dtype="int8,int8").kv_cache_dtype == "int8"
 
 
 def test_greedy_matches_transformers(llm16, hf_model):
@@ -88,7 +112,7 @@ def test_logprobs_within_bound_of_fp32_cache(llm16, llm):
         ref = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].logprobs[0]
         assert set(ours) == set(ref)
         worst = max(worst, max(abs(ours[t] - ref[t]) for t in ref))
-    assert worst <= LOGPROB_BOUND[llm16.engine.kv_cache_dtype], worst
+    assert worst <= LOGPROB_BOUND[llm16.engine.runner.kv_dtypes[0]], worst
 
 
 def test_pool_holds_twice_the_blocks_and_costs_two_bytes(llm16, llm):
@@ -96,7 +120,7 @@ def test_pool_holds_twice_the_blocks_and_costs_two_bytes(llm16, llm):
     assert llm16.engine.accountant.model.kv_bytes_per_element == 2
     assert llm.engine.accountant.model.kv_bytes_per_element == 4
     k_cache, v_cache = llm16.engine.runner.kv_caches[0]
-    assert k_cache.dtype == v_cache.dtype == llm16.engine.kv_cache_dtype
+    assert (k_cache.dtype, v_cache.dtype) == llm16.engine.runner.kv_dtypes
 
 
 def test_huge_page_tensors_are_zeroed_and_writable():

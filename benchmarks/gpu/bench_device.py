@@ -90,7 +90,7 @@ def model_figures(llm: LLM) -> dict:
         "weight_bytes_read": total - table_bytes,
         "multiplied_params": multiplied + (table.numel() if tied else 0),
         "head_params": table.numel(),  # the output head's (only rows that sample reach it)
-        "kv_bytes_per_token": cfg.kv_bytes_per_token * engine.kv_cache_dtype.itemsize,
+        "kv_bytes_per_token": cfg.kv_bytes_per_token * engine.kv_format.bytes_per_element,
         "layers": cfg.num_layers,
         "heads": cfg.num_heads,
         "head_dim": cfg.head_dim,

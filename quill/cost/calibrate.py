@@ -23,7 +23,7 @@ from pathlib import Path
 
 from quill.cost import fit
 from quill.cost.hardware import HardwareSpec
-from quill.cost.model import ModelSpec, bytes_per_element
+from quill.cost.model import ModelSpec, bytes_per_element, kv_bytes_per_element
 from quill.cost.step import CostModel
 from quill.cost.sweep import Case, MeasuredStep, Sweep, engine_for
 
@@ -122,7 +122,7 @@ def fit_spec(
     dtype = str(engine.dtype).removeprefix("torch.")
     model = ModelSpec.from_path(engine.model_path, engine.dtype.itemsize)
     model.dtype = dtype
-    model.kv_bytes_per_element = engine.kv_cache_dtype.itemsize
+    model.kv_bytes_per_element = engine.kv_format.bytes_per_element
     cpu = cpu_info()
     device = engine.device
     base = HardwareSpec(
@@ -154,7 +154,7 @@ def fit_spec(
         "model": model.name,
         "model_path": str(engine.model_path),
         "dtype": dtype,
-        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+        "kv_cache_dtype": engine.kv_format.name,
         "device": str(device),
         "threads": _threads(),
         "fitted_steps": len(steps),
@@ -339,7 +339,7 @@ def _main(args: argparse.Namespace) -> int:
     )
     dtype = str(engine.dtype).removeprefix("torch.")
     model = ModelSpec.from_path(engine.model_path, engine.dtype.itemsize)
-    model.kv_bytes_per_element = engine.kv_cache_dtype.itemsize
+    model.kv_bytes_per_element = engine.kv_format.bytes_per_element
     print(
         f"model: {model.name} ({dtype}, {engine.device}), loaded in "
         f"{time.perf_counter() - started:.1f} s"
@@ -408,7 +408,9 @@ def _refit(args: argparse.Namespace) -> int:
         args.model or info["model_path"], bytes_per_element(info.get("dtype", "bfloat16"))
     )
     model.dtype = info.get("dtype", model.dtype)
-    model.kv_bytes_per_element = bytes_per_element(info.get("kv_cache_dtype", model.dtype))
+    model.kv_bytes_per_element = kv_bytes_per_element(
+        info.get("kv_cache_dtype", "auto"), model.dtype
+    )
     steps = []
     for record in read_steps(args.from_steps):
         seqs = [tuple(x) for x in record["seqs"]]

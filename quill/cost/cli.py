@@ -15,7 +15,6 @@ import re
 import sys
 from dataclasses import asdict
 
-from quill.config import KV_CACHE_DTYPES
 from quill.cost.hardware import PRESETS as HARDWARE_PRESETS
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import PRESETS as MODEL_PRESETS
@@ -73,8 +72,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="how the KV cache is stored (auto: 16-bit, as quill serves it)",
+        help="how the KV cache is stored: auto (16-bit, as quill serves it) | float32 | "
+        "bfloat16 | float16 | int8, or K,V apart",
     )
     hw = parser.add_argument_group("hardware (one of)")
     hw.add_argument("--hardware", metavar="PRESET|FILE", help="a preset or a JSON spec")

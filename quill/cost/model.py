@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from quill.contract.kv_format import ELEMENT_BYTES, parse_kv_cache_dtype
 from quill.contract.kv_groups import KVGroups
 from quill.cost.batch import BatchShape, logits_rows
 from quill.cost.hardware import canonical_dtype
@@ -27,13 +28,13 @@ def bytes_per_element(dtype: str) -> int:
     return _BYTES_BY_DTYPE.get(canonical_dtype(str(dtype)), 2)
 
 
-def kv_bytes_per_element(kv_cache_dtype: str, dtype: str = "auto") -> int:
-    """Bytes of a KV element for a `--kv-cache-dtype`: `auto` is the `--dtype` asked for by
-    name, else 16-bit whatever the weights, as the engine's
-    (quill.model.loader.resolve_kv_cache_dtype)."""
-    if kv_cache_dtype == "auto":
-        return 2 if dtype == "auto" else bytes_per_element(dtype)
-    return bytes_per_element(kv_cache_dtype)
+def kv_bytes_per_element(kv_cache_dtype: str, dtype: str = "auto") -> float:
+    """Mean bytes of a KV element for a `--kv-cache-dtype` (int8 with its scales: 1 + 2/32;
+    K,V apart: the mean of the two): `auto` is the `--dtype` asked for by name, else 16-bit
+    whatever the weights, as the engine's (quill.model.loader.resolve_kv_cache_dtype)."""
+    auto = 2 if dtype == "auto" else bytes_per_element(dtype)
+    sides = parse_kv_cache_dtype(kv_cache_dtype)
+    return sum(auto if s == "auto" else ELEMENT_BYTES[s] for s in sides) / 2
 
 
 @dataclass

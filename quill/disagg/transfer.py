@@ -65,7 +65,7 @@ class KVLayout:
         return KVLayout(
             model_name,
             str(runner.dtype).removeprefix("torch."),
-            str(runner.kv_cache_dtype).removeprefix("torch."),
+            runner.kv_format.name,
             runner.block_size,
             c.num_layers,
             c.num_kv_heads,

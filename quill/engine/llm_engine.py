@@ -39,7 +39,7 @@ class LLMEngine:
         self.model_config = built.model_config
         self.model_path = built.model_path
         self.device, self.dtype = built.device, built.dtype
-        self.kv_cache_dtype = built.kv_cache_dtype
+        self.kv_format = built.kv_format
         self.max_model_len = built.max_model_len
         self.accountant = self.worker.accountant
         self.core = self.worker.core

@@ -389,7 +389,7 @@ def _make_accountant(config: EngineConfig, built):
 
     bytes_per_param = read_bytes_per_param(built.runner.model, built.dtype.itemsize)
     model = ModelSpec.from_hf_config(built.hf_config, bytes_per_param=bytes_per_param)
-    model.kv_bytes_per_element = built.kv_cache_dtype.itemsize  # the cache's, not the weights'
+    model.kv_bytes_per_element = built.kv_format.bytes_per_element  # the cache's, not the weights'
     dtype = str(built.dtype).removeprefix("torch.")
     if config.hardware is not None:
         hardware = HardwareSpec.resolve(config.hardware)

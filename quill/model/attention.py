@@ -44,9 +44,15 @@ class AttentionMetadata:
 
 
 def native_supported(
-    device: torch.device, head_dim: int, block_size: int, dtype: torch.dtype
+    device: torch.device,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    v_dtype: torch.dtype | None = None,
 ) -> str | None:
-    """Why the native kernel cannot run this model here (None: it can)."""
+    """Why the native kernel cannot run this model here (None: it can); `dtype` the K
+    cache's, `v_dtype` the V cache's (default the same)."""
+    v_dtype = v_dtype or dtype
     if device.type != "cpu":
         return f"device {device.type}"
     lib = library.load()
@@ -57,8 +63,12 @@ def native_supported(
         return f"head_dim {head_dim} (needs a multiple of {width} up to 512)"
     if block_size % width or block_size > 128:
         return f"block_size {block_size} (needs a multiple of {width} up to 128)"
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"dtype {dtype}"
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    for d in (dtype, v_dtype):
+        if d not in (*floats, torch.int8):
+            return f"dtype {d}"
+    if dtype != v_dtype and torch.int8 not in (dtype, v_dtype):
+        return f"K cache {dtype} beside V cache {v_dtype} (only int8 beside a float type)"
     return None
 
 

@@ -15,6 +15,7 @@ import torch
 
 from quill.config import EngineConfig
 from quill.contract.errors import InvalidRequestError
+from quill.contract.kv_format import KVCacheFormat
 from quill.contract.kv_groups import peak_blocks
 from quill.frontend.tokenizer import Tokenizer
 from quill.model.config import ModelConfig, generation_config_eos_ids
@@ -45,7 +46,7 @@ class ModelExecutor:
     model_path: Path
     device: torch.device
     dtype: torch.dtype
-    kv_cache_dtype: torch.dtype
+    kv_format: KVCacheFormat
     max_model_len: int
     token_budget: int
     num_blocks: int
@@ -85,7 +86,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
     ctx = loaded.config.max_position_embeddings
     max_model_len = min(config.max_model_len or ctx, ctx)
     budget = config.max_num_batched_tokens or (512 if device.type == "cpu" else 8192)
-    kv_cache_dtype = resolve_kv_cache_dtype(
+    kv_format = resolve_kv_cache_dtype(
         config.kv_cache_dtype, dtype, device, dtype_asked=config.dtype != "auto"
     )
     runner = ModelRunner(
@@ -95,7 +96,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         config.block_size,
         config.seed,
         tokenizer.eos_token_ids if tokenizer is not None else (),
-        kv_cache_dtype,
+        kv_format,
     )
     default_kv = plan.kv_budget() if plan is not None and device.type == "cpu" else None
     num_blocks = _num_kv_blocks(config, runner, device, max_model_len, budget, tp, default_kv)
@@ -106,7 +107,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         from quill.model.compile import compile_runner
 
         compile_runner(runner, budget)
-    _log_pool(config, runner, num_blocks, kv_cache_dtype, max_model_len, budget)
+    _log_pool(config, runner, num_blocks, kv_format, max_model_len, budget)
     return ModelExecutor(
         runner,
         tokenizer,
@@ -116,7 +117,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         model_path,
         device,
         dtype,
-        kv_cache_dtype,
+        kv_format,
         max_model_len,
         budget,
         num_blocks,
@@ -263,8 +264,8 @@ def _plan(config: EngineConfig, model_path: Path, dtype, device, keep_stored: bo
     num_params = ModelSpec.from_hf_config(hf_config).num_params
     plan = plan_memory(model_path, config.load_format, num_params, dtype.itemsize, device,
                        keep_stored, config.quantization)  # fmt: skip
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.dtype != "auto")
-    per_token = model_config.kv_bytes_per_token * kv_dtype.itemsize
+    kv_format = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.dtype != "auto")
+    per_token = model_config.kv_bytes_per_token * kv_format.bytes_per_element
     ctx = min(config.max_model_len or model_config.max_position_embeddings,
               model_config.max_position_embeddings)  # fmt: skip
     min_tokens = min(ctx, MIN_CONTEXT)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from quill.contract.errors import ModelLoadError
+from quill.contract.kv_format import KVCacheFormat, parse_kv_cache_dtype
 from quill.model.config import ModelConfig
 from quill.model.llama import LlamaForCausalLM
 from quill.model.quant import pack_blocks
@@ -56,18 +57,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def resolve_kv_cache_dtype(
     name: str, model_dtype: torch.dtype, device: torch.device, dtype_asked: bool = False
-) -> torch.dtype:
-    """auto: the model's dtype when it was asked for by name (`dtype_asked`: float32 weights
-    asked for mean float32 arithmetic, the KV cache's too) or when it is 16-bit; else 16-bit,
-    halving the bytes every long-context step reads against fp32: bf16 where the CPU has bf16
-    arithmetic (or on a GPU), fp16 (converted by F16C) where it has not."""
-    if name != "auto":
-        return getattr(torch, name)
-    if dtype_asked or model_dtype in (torch.bfloat16, torch.float16):
-        return model_dtype
-    if device.type == "cuda" or cpu_has_bf16():
-        return torch.bfloat16
-    return torch.float16
+) -> KVCacheFormat:
+    """The cache's types for `--kv-cache-dtype` (one, or K,V apart). auto: the model's dtype
+    when it was asked for by name (`dtype_asked`: float32 weights asked for mean float32
+    arithmetic, the KV cache's too) or when it is 16-bit; else 16-bit, halving the bytes every
+    long-context step reads against fp32: bf16 where the CPU has bf16 arithmetic (or on a GPU),
+    fp16 (converted by F16C) where it has not. int8 is never chosen by auto: it measured within
+    the logprob bound but below 95% agreement of free-running greedy continuations
+    (docs/benchmarks.md, "The KV cache in 8 bits"), so it is asked for by name."""
+
+    def one(side: str) -> str:
+        if side != "auto":
+            return side
+        if dtype_asked or model_dtype in (torch.bfloat16, torch.float16):
+            return str(model_dtype).removeprefix("torch.")
+        return "bfloat16" if device.type == "cuda" or cpu_has_bf16() else "float16"
+
+    key, value = parse_kv_cache_dtype(name)
+    return KVCacheFormat(one(key), one(value))
 
 
 @dataclass

@@ -14,18 +14,20 @@ mask is made.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from quill.contract.kv_format import KVCacheFormat
 from quill.contract.plan import PromptLogprob, SeqPlan, StepPlan, StepResult
 from quill.model.attention import AttentionLayout, native_supported
 from quill.model.llama import LlamaForCausalLM
 from quill.model.prompt_logprobs import score_rows
 from quill.model.sampler import Sampler, SampleResult
 from quill.ops import memory
-from quill.ops.reference import kv_cache_shapes
+from quill.ops.reference import kv_cache_shapes, kv_torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class ModelRunner:
         block_size: int,
         seed: int = 0,
         end_token_ids: Sequence[int] = (),
-        kv_cache_dtype: torch.dtype | None = None,
+        kv_cache_dtype: KVCacheFormat | torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -61,7 +63,10 @@ class ModelRunner:
             torch.set_flush_denormal(True)
         self.device = device
         self.dtype = dtype
-        self.kv_cache_dtype = kv_cache_dtype or dtype
+        if not isinstance(kv_cache_dtype, KVCacheFormat):  # one torch dtype for K and V
+            name = str(kv_cache_dtype or dtype).removeprefix("torch.")
+            kv_cache_dtype = KVCacheFormat(name, name)
+        self.kv_format = kv_cache_dtype
         self.block_size = block_size
         # The end ids let the sampler hold them back until a request's min_tokens.
         self.sampler = Sampler(device, seed, end_token_ids)
@@ -82,37 +87,48 @@ class ModelRunner:
         # steps, for plans with kv_fetches; set by the engine worker.
         self.kv_fetcher = None
 
+    def kv_shapes(self, num_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One layer slot's K and V cache shapes for `num_blocks` blocks."""
+        c = self.config
+        return kv_cache_shapes(
+            num_blocks, c.num_kv_heads, c.head_dim, self.block_size, *self.kv_dtypes
+        )
+
+    @property
+    def kv_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        return kv_torch_dtype(self.kv_format.key), kv_torch_dtype(self.kv_format.value)
+
     def kv_bytes_per_block(self) -> int:
-        """A pool block's bytes: `layers_per_block` layers' keys and values."""
-        elem = self.kv_cache_dtype.itemsize
-        per_layer = self.config.kv_bytes_per_token // self.config.num_layers
-        return per_layer * self.kv_groups.layers_per_block * self.block_size * elem
+        """A pool block's bytes: `layers_per_block` layers' keys and values (int8's scales
+        included)."""
+        k_shape, v_shape = self.kv_shapes(1)
+        k_dtype, v_dtype = self.kv_dtypes
+        per_layer = math.prod(k_shape) * k_dtype.itemsize + math.prod(v_shape) * v_dtype.itemsize
+        return per_layer * self.kv_groups.layers_per_block
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
-        k_shape, v_shape = kv_cache_shapes(
-            num_blocks + 1, c.num_kv_heads, c.head_dim, self.block_size, self.kv_cache_dtype
-        )
+        k_shape, v_shape = self.kv_shapes(num_blocks + 1)
         # Zeroed: masked-out keys still meet the values in P @ V, and 0 * NaN would poison it.
         # On huge pages: the blocks a step reads are scattered over the whole pool.
-        dtype, dev = self.kv_cache_dtype, self.device
+        (k_dtype, v_dtype), dev = self.kv_dtypes, self.device
         kv = self.kv_groups
         slots = [
-            (memory.zeros(k_shape, dtype, dev), memory.zeros(v_shape, dtype, dev))
+            (memory.zeros(k_shape, k_dtype, dev), memory.zeros(v_shape, v_dtype, dev))
             for _ in range(kv.layers_per_block)
         ]
         self.kv_caches = [slots[j] for j in kv.layer_slots]
         self.scratch_block = num_blocks
-        why_not = native_supported(self.device, c.head_dim, self.block_size, self.kv_cache_dtype)
+        why_not = native_supported(self.device, c.head_dim, self.block_size, k_dtype, v_dtype)
         if why_not is None:
             log.info(
                 "attention: quill::paged_attention (%s library: %s) on a %s KV cache",
                 torch.ops.quill.isa(),
-                torch.ops.quill.attention_kernel(self.dtype, self.kv_cache_dtype),
-                self.kv_cache_dtype,
+                torch.ops.quill.attention_kernel(self.dtype, k_dtype, v_dtype),
+                self.kv_format,
             )
         else:
-            log.info("attention: PyTorch path (%s), %s KV cache", why_not, self.kv_cache_dtype)
+            log.info("attention: PyTorch path (%s), %s KV cache", why_not, self.kv_format)
         self.layouts = [
             AttentionLayout(
                 self.block_size, num_blocks, self.dtype, self.device, why_not is None, window, g
