@@ -15,10 +15,16 @@ length-normalised accuracy). lm-eval runs in its own virtual environment
 (benchmarks/peers/lm_eval.sh), with its tokenizer read from the default model's local
 directory, offline.
 
+With `--kv-cache-dtypes A,B` the task runs twice through `quill serve` instead, the weights
+fp32 and the KV cache of each type (issue 44: int8 against 16-bit): the questions answered
+right by each and those whose choice differs.
+
 Usage:
     bash benchmarks/peers/lm_eval.sh      # once: installs lm-eval, prints its path
     .venv/bin/python benchmarks/bench_lm_eval.py [--batch-size 8]
         [--json docs/results/bench_lm_eval.json]
+    .venv/bin/python benchmarks/bench_lm_eval.py --kv-cache-dtypes bfloat16,int8
+        [--json docs/results/bench_lm_eval_kv_int8.json]
 """
 
 from __future__ import annotations
@@ -132,6 +138,28 @@ def compare(quill: list[dict], hf: list[dict]) -> dict:
     }
 
 
+def compare_kv_caches(args, run_quill) -> None:
+    """The task through quill with two KV caches: right answers each, and choices that differ."""
+    runs = {}
+    for kv in args.kv_cache_dtypes.split(","):
+        flags = ["--dtype", "float32", "--kv-cache-dtype", kv, "--quantization", "none"]
+        res, samples, wall, cmd = run_quill(flags, f"quill-{kv}")
+        right = sum(int(s["acc"]) for s in samples)
+        runs[kv] = {"cmd": cmd, "results": res["results"][TASK], "right": right, "wall_s": wall}
+        runs[kv]["samples"] = samples
+    (a, ra), (b, rb) = runs.items()
+    comparison = compare(ra.pop("samples"), rb.pop("samples"))
+    results = {"task": TASK, "kv_cache_dtypes": [a, b], "runs": runs, **comparison}
+    print(
+        f"\n{TASK}: {comparison['num_questions']} questions; right: {a} {ra['right']}, "
+        f"{b} {rb['right']} (difference {abs(ra['right'] - rb['right'])}); the same choice on "
+        f"{comparison['same_choice']}; loglikelihoods max |diff| "
+        f"{comparison['max_abs_loglikelihood_diff']:.2e} (mean "
+        f"{comparison['mean_abs_loglikelihood_diff']:.2e})"
+    )
+    finish_results(results, args)
+
+
 def served_model_name(url: str) -> str:
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
         return json.loads(resp.read())["data"][0]["id"]
@@ -141,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--lm-eval", help="the lm_eval executable (default: install it)")
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--kv-cache-dtypes", help="A,B: quill with each KV cache, not transformers")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     exe = lm_eval_exe(args.lm_eval)
@@ -150,20 +179,27 @@ def main() -> None:
     tasks_dir.mkdir()
     (tasks_dir / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=DATA))
 
-    server = QuillServe(free_port())
-    server.cmd += QUILL_FLAGS
-    server.start()
-    try:
-        name = served_model_name(server.url)
-        quill_args = (
-            f"model={name},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
-            f"tokenizer={model_dir},num_concurrent=1,max_retries=1,tokenized_requests=True"
-        )
-        quill_res, quill_samples, quill_s = run_lm_eval(
-            exe, "local-completions", quill_args, tasks_dir, work / "quill", args.batch_size
-        )
-    finally:
-        server.stop()
+    def run_quill(flags: list[str], out: str):
+        server = QuillServe(free_port())
+        server.cmd += flags
+        server.start()
+        try:
+            name = served_model_name(server.url)
+            quill_args = (
+                f"model={name},base_url={server.url}/v1/completions,tokenizer_backend=huggingface,"
+                f"tokenizer={model_dir},num_concurrent=1,max_retries=1,tokenized_requests=True"
+            )
+            ran = run_lm_eval(
+                exe, "local-completions", quill_args, tasks_dir, work / out, args.batch_size
+            )
+        finally:
+            server.stop()
+        return (*ran, " ".join(server.cmd))
+
+    if args.kv_cache_dtypes:
+        compare_kv_caches(args, run_quill)
+        return
+    quill_res, quill_samples, quill_s, quill_cmd = run_quill(QUILL_FLAGS, "quill")
     hf_args = f"pretrained={model_dir},dtype=float32"
     hf_res, hf_samples, hf_s = run_lm_eval(
         exe, "hf", hf_args, tasks_dir, work / "hf", args.batch_size
@@ -171,7 +207,7 @@ def main() -> None:
     comparison = compare(quill_samples, hf_samples)
     results = {
         "task": TASK,
-        "quill_cmd": " ".join(server.cmd),
+        "quill_cmd": quill_cmd,
         "lm_eval_version": quill_res.get("lm_eval_version") or quill_res.get("git_hash"),
         "quill": {"results": quill_res["results"][TASK], "wall_s": quill_s},
         "hf": {"results": hf_res["results"][TASK], "wall_s": hf_s},

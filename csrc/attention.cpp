@@ -453,6 +453,9 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
                                : std::is_same<KT, bf16>::value ? CacheKind::kPairs : CacheKind::kPlain;
   constexpr CacheKind v_kind = std::is_same<VT, int8_t>::value ? CacheKind::kInt8
                                : std::is_same<VT, bf16>::value ? CacheKind::kPairs : CacheKind::kPlain;
+  // Tiles to prefetch ahead: an int8 tile takes half the time to compute, so its blocks are
+  // asked for two tiles before they are read, as long before as a 16-bit tile's.
+  constexpr int kLead = k_kind == CacheKind::kInt8 || v_kind == CacheKind::kInt8 ? 2 : 1;
   const int G = L.group, D = L.head_dim, BS = L.block_size, H = L.num_heads;
   const int KVH = L.num_kv_heads;
   const int M = rows_of(L, it.q_begin, it.q_end);
@@ -516,15 +519,18 @@ void attend(const Layout& L, const Item& it, const Item* next, const QT* q, cons
     const int nblk = (ntok + BS - 1) / BS;
     const int ncols = nblk * bvec;
     const int32_t* blocks = table + t0 / BS;
-    // The blocks of the next tile: this item's, or after its last one the first of the item
-    // this thread takes next, so that no item starts cold.
-    const int32_t* next_table = table + t1 / BS;
-    int next_blocks = t1 < limit ? (std::min(limit, t1 + tile) - t1 + BS - 1) / BS : 0;
-    if (t1 >= limit && next != nullptr) {
+    // The blocks of the tile `kLead` tiles on: this item's, or past its last one those of the
+    // item this thread takes next, so that no item starts cold.
+    const int ahead = t0 + kLead * tile;
+    const int32_t* next_table = table + ahead / BS;
+    int next_blocks = ahead < limit ? (std::min(limit, ahead + tile) - ahead + BS - 1) / BS : 0;
+    if (ahead >= limit && next != nullptr) {
+      const int end = begin + (limit - begin + tile - 1) / tile * tile;  // past the last tile
+      const int from = next->kv_begin + (ahead - end);
       const int next_q0 = L.query_start[next->seq];
       const int next_limit = std::min(next->kv_end, L.seq_lens[next->seq] - (L.query_start[next->seq + 1] - next_q0) + next->q_end);
-      next_table = L.block_tables + next->seq * L.table_stride + next->kv_begin / BS;
-      next_blocks = (std::min(next_limit - next->kv_begin, tile) + BS - 1) / BS;
+      next_table = L.block_tables + next->seq * L.table_stride + from / BS;
+      next_blocks = from < next_limit ? (std::min(next_limit - from, tile) + BS - 1) / BS : 0;
     }
 
     // Ask for the next tile's keys while this one's scores compute, its values while this
