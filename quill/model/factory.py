@@ -15,7 +15,7 @@ import torch
 
 from quill.config import EngineConfig
 from quill.contract.errors import InvalidRequestError
-from quill.contract.kv_format import KVCacheFormat
+from quill.contract.kv_format import AUTO_RULE, KVCacheFormat
 from quill.contract.kv_groups import peak_blocks
 from quill.frontend.tokenizer import Tokenizer
 from quill.model.config import ModelConfig, generation_config_eos_ids
@@ -89,6 +89,8 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
     kv_format = resolve_kv_cache_dtype(
         config.kv_cache_dtype, dtype, device, dtype_asked=config.dtype != "auto"
     )
+    if config.kv_cache_dtype == "auto" and kv_format.bytes_per_element == 2:
+        log.info("KV cache: %s", AUTO_RULE)
     runner = ModelRunner(
         loaded.model,
         device,
