@@ -115,14 +115,17 @@ class _Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def stream(self, body: dict) -> tuple[list[float], dict]:
-        """POST /v1/completions; the arrival time of each token's chunk, and the last chunk."""
+    async def stream(
+        self, body: dict, path: bytes = b"/v1/completions", token_mark: bytes = b'"text"'
+    ) -> tuple[list[float], dict]:
+        """POST `path` (a streamed completion); the arrival time of each chunk holding
+        `token_mark` (one token each), and the last chunk."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode()
         self.writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), len(data), data)
+            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path, self.host.encode(), len(data), data)
         )
         reader = self.reader
         status = await reader.readline()
@@ -139,7 +142,7 @@ class _Connection:
             chunk = await reader.readexactly(size + 2)
             if b'"usage"' in chunk:  # only the last event is parsed: the client stays light
                 last = json.loads(chunk[chunk.index(b"{") : chunk.rindex(b"}") + 1])
-            elif b'"text"' in chunk:
+            elif token_mark in chunk:
                 arrivals.append(time.perf_counter())
 
     def close(self) -> None:

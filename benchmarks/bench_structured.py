@@ -38,7 +38,7 @@ from quill.frontend.tools import (  # noqa: E402
     render_conversation,
     reply_constraint,
 )
-from quill.server.tools import ToolCalls  # noqa: E402
+from quill.server.tools import ReplyReader  # noqa: E402
 
 WORDS = ["name", "city", "age", "price", "tags", "owner", "items", "kind", "score", "when", "id"]
 
@@ -158,7 +158,7 @@ def tool_calls(llm: LLM, rng: random.Random, requests: int, max_tokens: int) -> 
     valid, unstopped, calls, answers, long_answers, problems = 0, 0, 0, 0, 0, []
     for i, ((functions, choice, _), out) in enumerate(zip(cases, outs)):
         o = out.outputs[0]
-        message = ToolCalls(choice).message(o.text)
+        message = ReplyReader(choice).message(o.text)
         if o.finish_reason != "stop":
             if not message.get("tool_calls") and o.text.startswith('{"response":'):
                 long_answers += 1  # a text answer longer than max_tokens, as without tools

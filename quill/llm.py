@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from quill.config import EngineConfig
 from quill.contract.errors import InvalidRequestError
 from quill.contract.outputs import RequestOutput
 from quill.contract.sampling_params import SamplingParams
 from quill.engine.llm_engine import LLMEngine
-from quill.frontend.tools import read_tools, render_conversation, reply_constraint
+from quill.frontend.chat import ChatFormat, prepare_chat
+from quill.frontend.tools import read_tools
 
 Prompt = str | list[int] | dict
 
@@ -22,6 +22,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+        self._chat_format: ChatFormat | None = None
 
     def close(self) -> None:
         """Stop the engine's other processes (tensor-parallel ranks), if it has any."""
@@ -98,33 +99,50 @@ class LLM:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool | None = None,
+        chat_template_kwargs: dict | None = None,
+        thinking_budget: int | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate.
 
-        `tools`, `tool_choice`, `parallel_tool_calls` as in OpenAI's API: the functions are
-        offered in the prompt and each reply held to the generic tool format (one JSON
-        object: calls or, under "auto", a text answer); `quill.server.tools.ToolCalls(choice)
-        .message(output.text)` reads a reply as OpenAI's message.
+        `tools`, `tool_choice`, `parallel_tool_calls` as in OpenAI's API: offered in the model's
+        own tool format (quill/frontend/chat.py; the generic one for a template that renders no
+        tools), "required" and named calls constrained to it. `chat_template_kwargs` reach the
+        template (Qwen3's enable_thinking); `thinking_budget` caps a reasoning model's thinking.
+        `quill.server.tools.ReplyReader` reads a reply as OpenAI's message (see `chat_turn`).
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        many = not (sampling_params is None or isinstance(sampling_params, SamplingParams))
+        given = list(sampling_params) if many else [sampling_params or SamplingParams()]
         functions, choice = read_tools(tools, tool_choice, parallel_tool_calls)
-        if choice is not None:
-            constraint = reply_constraint(functions, choice)
-            many = not (sampling_params is None or isinstance(sampling_params, SamplingParams))
-            given = list(sampling_params) if many else [sampling_params or SamplingParams()]
-            if any(p.structured is not None for p in given):
-                raise InvalidRequestError("tools and a structured output constraint exclude "
-                                          "each other", param="tools")  # fmt: skip
-            given = [replace(p, structured=constraint) for p in given]
-            sampling_params = given if many else given[0]
-        prompts = [
-            self.tokenizer.encode_chat(
-                render_conversation(c, functions, choice),
-                add_generation_prompt=add_generation_prompt,
-            )
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        if choice is not None and any(p.structured is not None for p in given):
+            raise InvalidRequestError("tools and a structured output constraint exclude "
+                                      "each other", param="tools")  # fmt: skip
+        prompts, params = [], []
+        for i, conversation in enumerate(conversations):
+            p = given[i] if many else given[0]
+            turn = self.chat_turn(conversation, functions, choice, p.structured,
+                                  chat_template_kwargs, add_generation_prompt)  # fmt: skip
+            prompts.append(turn.prompt_ids)
+            params.append(turn.sampling_params(p, thinking_budget))
+        return self.generate(prompts, params, use_tqdm)
+
+    def chat_turn(
+        self,
+        messages: list[dict],
+        functions=None,
+        choice=None,
+        structured=None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ):
+        """One conversation in the model's chat format (quill.frontend.chat.ChatTurn): its
+        prompt, and what `ReplyReader(turn.choice, turn.tools, turn.reasoning, turn.opened)`
+        needs to read the reply."""
+        if self._chat_format is None:
+            self._chat_format = ChatFormat.choose(self.tokenizer.hf.chat_template)
+        return prepare_chat(self.tokenizer, self._chat_format, messages, functions, choice,
+                            structured, "structured", chat_template_kwargs,
+                            add_generation_prompt)  # fmt: skip
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

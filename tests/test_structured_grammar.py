@@ -13,12 +13,8 @@ import jsonschema
 import pytest
 
 from quill.contract.constraint import Constraint
-from quill.structured.grammar import (
-    MAX_FRACTION_DIGITS,
-    MAX_INTEGER_DIGITS,
-    GrammarError,
-    bounded_numbers,
-)
+from quill.structured.grammar import GrammarError
+from quill.structured.schema import MAX_FRACTION_DIGITS, MAX_INTEGER_DIGITS, bounded_numbers
 
 END = 2  # SmolLM2-Instruct's <|im_end|>: the model's end id, not the tokenizer's <|endoftext|>
 

@@ -126,14 +126,14 @@ def test_a_grammar_whose_masks_grow_past_the_budget_fails_alone(llm):
 
 def test_offline_chat_offers_tools_and_holds_the_reply_to_a_call(llm):
     from quill.frontend.tools import ToolChoice
-    from quill.server.tools import ToolCalls
+    from quill.server.tools import ReplyReader
 
     tools = [{"type": "function", "function": {"name": "describe", "parameters": PERSON}}]
     ask = [{"role": "user", "content": "Describe Ada Lovelace."}]
     named = {"type": "function", "function": {"name": "describe"}}
     outs = llm.chat([ask, ask], _params(None), use_tqdm=False, tools=tools, tool_choice=named)
     for out in outs:
-        message = ToolCalls(ToolChoice("named", "describe")).message(out.outputs[0].text)
+        message = ReplyReader(ToolChoice("named", "describe")).message(out.outputs[0].text)
         call = message["tool_calls"][0]["function"]
         assert call["name"] == "describe"
         jsonschema.validate(json.loads(call["arguments"]), PERSON)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from quill.frontend.json_spans import JsonSpans, string_prefix
 from quill.frontend.tools import Function, ToolChoice, render_conversation, reply_constraint
-from quill.server.tools import ToolCalls
+from quill.server.tools import ReplyReader
 from tests.test_structured_grammar import closing_tokens, walk
 
 json_values = st.recursive(
@@ -161,11 +161,11 @@ def test_streamed_deltas_join_into_the_whole_replys_calls(calls, cuts):
     text = json.dumps(
         {"tool_calls": [{"name": n, "arguments": a} for n, a in calls]}, separators=(",", ":")
     )
-    whole = ToolCalls(ToolChoice("auto")).message(text)
+    whole = ReplyReader(ToolChoice("auto")).message(text)
     assert whole["content"] is None
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in whole["tool_calls"]] == calls  # fmt: skip
-    stream = ToolCalls(ToolChoice("auto"))
+    stream = ReplyReader(ToolChoice("auto"))
     pieces = _pieces(text, cuts)
     joined: dict[int, dict] = {}
     for i, piece in enumerate(pieces):
@@ -186,21 +186,21 @@ def test_streamed_deltas_join_into_the_whole_replys_calls(calls, cuts):
 @given(st.text(max_size=20), st.lists(st.integers(0, 10**6), max_size=12))
 def test_a_text_answer_streams_as_its_decoded_text(answer, cuts):
     text = json.dumps({"response": answer}, separators=(",", ":"), ensure_ascii=False)
-    stream = ToolCalls(ToolChoice("auto"))
+    stream = ReplyReader(ToolChoice("auto"))
     pieces = _pieces(text, cuts)
     streamed = "".join(
         stream.delta(p, i == len(pieces) - 1).get("content", "") for i, p in enumerate(pieces)
     )
     assert streamed == answer
-    whole = ToolCalls(ToolChoice("auto"))
+    whole = ReplyReader(ToolChoice("auto"))
     assert whole.message(text) == {"role": "assistant", "content": answer}
     assert whole.finish_reason("stop") == "stop"
 
 
 def test_a_reply_cut_before_its_shape_is_its_text():
-    calls = ToolCalls(ToolChoice("required"))
+    calls = ReplyReader(ToolChoice("required"))
     assert calls.message('{"tool_') == {"role": "assistant", "content": '{"tool_'}
-    named = ToolCalls(ToolChoice("named", "add"))
+    named = ReplyReader(ToolChoice("named", "add"))
     message = named.message('{"tool_calls":[{"name":"add","arguments":{"a":1')
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a":1'}
     assert named.finish_reason("length") == "length"

@@ -21,6 +21,14 @@ class Constraint:
 
     kind: str
     value: str = ""
+    # A reasoning model's thinking comes before the constrained answer (vLLM applies the
+    # constraint after the reasoning ends): free text up to and including `think_end`, then
+    # the answer. With `think_start` the reply opens the block itself, and may skip it; without,
+    # the prompt opened it and the reply begins inside. Empty: no reasoning before. Each marker
+    # as a grammar writes it: a JSON string literal, or `<[id]>` where it is one token of its
+    # own in the vocabulary (the grammar library reads such a token as no text).
+    think_start: str = ""
+    think_end: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

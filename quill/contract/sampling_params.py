@@ -62,6 +62,13 @@ class SamplingParams:
     # OpenAI's: added to these tokens' logits before sampling, each in [-100, 100] (-100 bars
     # a token in practice, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
+    # A cap on a reasoning model's thinking: once the reply has `thinking_budget` tokens and
+    # has not yet written `thinking_end_ids` (the end-of-thinking marker), the marker is
+    # forced. With `thinking_start_ids` the cap applies only to a reply that begins with them
+    # (a model that opens its own block, and may not).
+    thinking_budget: int | None = None
+    thinking_end_ids: list[int] = field(default_factory=list)
+    thinking_start_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +122,11 @@ class SamplingParams:
             )
         if self.min_tokens < 0:
             raise bad("min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.thinking_budget is not None and (
+            self.thinking_budget < 0 or not self.thinking_end_ids
+        ):
+            raise bad("thinking_budget", "thinking_budget must be non-negative, for a model "
+                      "whose end-of-thinking marker is known")  # fmt: skip
         for token_id, bias in (self.logit_bias or {}).items():
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise bad("logit_bias", f"logit_bias of token {token_id} must be in [-100, 100]")

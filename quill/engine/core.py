@@ -131,6 +131,19 @@ class EngineCore:
                 "structured",
             )
 
+    def _token_mask(self, request: Request) -> bytes | None:
+        """The tokens a sampling request may take next: its grammar's, or one alone where
+        its thinking budget forces the end-of-thinking marker (its grammar, if any, allows
+        that marker and takes it after)."""
+        forced = request.forced_thinking_token()
+        if forced is not None:
+            mask = bytearray(forced // 8 + 1)
+            mask[forced // 8] = 1 << (forced % 8)
+            return bytes(mask)
+        if request.sampling_params.structured is None:
+            return None
+        return self.structured.bitmask(request.request_id)
+
     def release_kv(self, request_id: str) -> None:
         """Free a finished request's leased KV blocks at the next step (the decode instance
         has them, or gave up)."""
@@ -432,9 +445,7 @@ class EngineCore:
                     params,
                     request.prompt_token_ids if history else None,
                     request.output_token_ids[:] if history else None,
-                    token_bitmask=self.structured.bitmask(request.request_id)
-                    if samples and params.structured is not None
-                    else None,
+                    token_bitmask=self._token_mask(request) if samples else None,
                     draft_token_ids=drafts,
                     prompt_logprob_token_ids=scored,
                     prompt_logprobs=request.sampling_params.prompt_logprobs if scored else 0,

@@ -92,6 +92,8 @@ class Request:
     # Prompt logprobs (sampling_params.prompt_logprobs): those of prompt tokens 1, 2, ...
     # scored so far, chunk by chunk (PromptLogprob each); None when not asked for.
     prompt_logprobs: list | None = None
+    # Under a thinking budget: whether the thinking has ended (None: not known yet).
+    thinking_ended: bool | None = None
 
     def __post_init__(self) -> None:
         if self.times is None:
@@ -166,3 +168,29 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def forced_thinking_token(self) -> int | None:
+        """The token the reply must take next under its thinking budget (the end-of-thinking
+        marker's next token once the budget is spent and the thinking goes on), or None."""
+        params = self.sampling_params
+        if params.thinking_budget is None or self.thinking_ended:
+            return None
+        end, start, out = params.thinking_end_ids, params.thinking_start_ids, self.output_token_ids
+        budget = max(params.thinking_budget, len(start))  # the opening marker counts
+        if len(out) < budget:
+            return None
+        if self.thinking_ended is None:  # decided once, when the budget is reached
+            began = not start or out[: len(start)] == start
+            self.thinking_ended = not began or _contains(out[:budget], end)
+            if self.thinking_ended:
+                return None
+        forced = len(out) - budget
+        if forced >= len(end):
+            self.thinking_ended = True
+            return None
+        return end[forced]
+
+
+def _contains(tokens: list[int], part: list[int]) -> bool:
+    n = len(part)
+    return any(tokens[i : i + n] == part for i in range(len(tokens) - n + 1))

@@ -300,9 +300,9 @@ class Scheduler:
 
     def _propose(self, request: Request, total: int, k: int) -> list[int]:
         """Drafts for a decoding request, at most `k`, none where they could not stay exact
-        or would run past its limits: penalties and structured output depend on each token
-        before (not modelled for drafts yet); min_tokens would bar end ids at some drafted
-        positions only."""
+        or would run past its limits: penalties, structured output and a thinking budget
+        depend on each token before (not modelled for drafts yet); min_tokens would bar end
+        ids at some drafted positions only."""
         params = request.sampling_params
         num_output = len(request.output_token_ids)
         k = min(k, request.max_tokens - num_output - 1, self.max_model_len - total - 1)
@@ -310,6 +310,7 @@ class Scheduler:
             k < 1
             or params.uses_penalties
             or params.structured is not None
+            or params.thinking_budget is not None
             or num_output < params.min_tokens
         ):
             return []

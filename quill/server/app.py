@@ -14,7 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 import quill
-from quill.server.chat import create_chat_completion, encode_chat
+from quill.frontend.chat import prepare_chat
+from quill.server.chat import create_chat_completion
 from quill.server.completions import create_completion
 from quill.server.console.routes import install_console, login_page
 from quill.server.constraints import CONSTRAINT_FIELDS
@@ -22,6 +23,7 @@ from quill.server.context import ServerContext
 from quill.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from quill.server.fields import ignored_fields
 from quill.server.guard import ARRIVAL, RequestGuard
+from quill.server.infill import InfillRequest, create_infill
 from quill.server.openapi import install_openapi
 from quill.server.protocol import (
     ChatCompletionRequest,
@@ -115,6 +117,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
         req = await parse(request, ChatCompletionRequest)
         return _respond(await create_chat_completion(ctx, req, request, t))
 
+    @app.post("/infill")
+    async def infill(request: Request) -> Response:
+        t = arrival(request)
+        req = await parse(request, InfillRequest)
+        return _respond(await create_infill(ctx, req, request, t))
+
     def model_card(name: str) -> dict:
         return {
             "id": name,
@@ -160,8 +168,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
         def work() -> dict:
             if req.messages is not None:
-                messages = req.template_messages()
-                ids = encode_chat(tok, messages, req.add_generation_prompt is not False)
+                add_gen = req.add_generation_prompt is not False
+                turn = prepare_chat(tok, ctx.chat_format, req.template_messages(),
+                                    add_generation_prompt=add_gen, limits=req.limits)  # fmt: skip
+                ids = turn.prompt_ids
             else:
                 ids = tok.encode(req.prompt or "", req.add_special_tokens is not False)
             out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

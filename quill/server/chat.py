@@ -9,10 +9,9 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from quill.contract.errors import InvalidRequestError, ModelLoadError
 from quill.contract.outputs import RequestOutput, TokenLogprobs
+from quill.frontend.chat import ChatTurn, prepare_chat
 from quill.frontend.tokenizer import Tokenizer
-from quill.frontend.tools import ToolChoice
 from quill.server.context import ServerContext
 from quill.server.generation import (
     Generation,
@@ -24,17 +23,24 @@ from quill.server.generation import (
 from quill.server.kv_transfer import kv_transfer
 from quill.server.logprobs import vllm_prompt_logprobs
 from quill.server.protocol import ChatCompletionRequest
-from quill.server.tools import ToolCalls
+from quill.server.tools import ReplyReader
 
 
-def encode_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """The conversation's prompt ids; a template that refuses the conversation is a 400."""
-    try:
-        return tok.encode_chat(messages, add_generation_prompt=add_generation_prompt)
-    except ModelLoadError as e:
-        raise InvalidRequestError(str(e), param="messages") from e
-    except Exception as e:  # jinja raises for conversations its template does not allow
-        raise InvalidRequestError(f"chat template error: {e}", param="messages") from e
+def prepare(ctx: ServerContext, req: ChatCompletionRequest) -> ChatTurn:
+    """The request's conversation in the served model's chat format (a 400 naming the field
+    for what the template or the tools refuse)."""
+    return prepare_chat(
+        ctx.tokenizer,
+        ctx.chat_format,
+        req.template_messages(),
+        req.functions,
+        req.tool_choice_made,
+        req.constraint,
+        req.constraint_field,
+        req.template_kwargs(),
+        req.add_generation_prompt is not False,
+        req.limits,
+    )
 
 
 async def create_chat_completion(
@@ -43,23 +49,23 @@ async def create_chat_completion(
     model = ctx.check_model(req.model)
     tok = ctx.tokenizer
     messages = req.template_messages()
-    add_gen = req.add_generation_prompt is not False
 
     if req.truncate_prompt_tokens is None:
         ctx.check_prompt_length("".join(m["content"] for m in messages), "messages")
-
-    def encode() -> list[int]:
-        return req.truncate(encode_chat(tok, messages, add_gen), ctx.max_model_len)
 
     stream = bool(req.stream)
     kv = kv_transfer(
         ctx, req.kv_transfer_params, 1, req.num_choices, stream, False, req.scores_prompt
     )
-    prompt = await asyncio.to_thread(encode)
+    turn = await asyncio.to_thread(prepare, ctx, req)
+    prompt = req.truncate(turn.prompt_ids, ctx.max_model_len)
     # No default cap for chat: the reply may run to the end of the context, as with OpenAI.
     # The prompt is scored once (vLLM's prompt_logprobs: the conversation's, one for all).
     params = [
-        req.sampling_params(None, req.num_logprobs, j, req.prompt_logprobs if j == 0 else None)
+        turn.sampling_params(
+            req.sampling_params(None, req.num_logprobs, j, req.prompt_logprobs if j == 0 else None),
+            req.thinking_budget,
+        )
         for j in range(req.num_choices)
     ]
     scheduling = req.scheduling()
@@ -67,8 +73,21 @@ async def create_chat_completion(
         params = [kv.sampling_params(p) for p in params]
         scheduling |= kv.scheduling()
     gen = Generation.for_request(ctx, "chatcmpl", arrival_time, req, raw)
+    gen.constraint_field = turn.constraint_field
     await gen.submit([prompt], params, scheduling)
-    fmt = _Formatter(gen, model, tok, req.top_logprobs or 0, req.tool_choice_made)
+    readers = None
+    if turn.choice is not None or turn.reasoning is not None:
+        readers = [
+            ReplyReader(
+                turn.choice,
+                turn.tools,
+                turn.reasoning,
+                turn.opened,
+                req.include_reasoning is not False,
+            )  # fmt: skip
+            for _ in range(gen.num_choices)
+        ]
+    fmt = _Formatter(gen, model, tok, req.top_logprobs or 0, readers)
     fmt.prompt = (prompt, req.prompt_logprobs)
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
@@ -83,13 +102,18 @@ class _Formatter:
     """Builds OpenAI `chat.completion` and `chat.completion.chunk` objects."""
 
     def __init__(
-        self, gen: Generation, model: str, tok: Tokenizer, top_n: int, tools: ToolChoice | None
+        self,
+        gen: Generation,
+        model: str,
+        tok: Tokenizer,
+        top_n: int,
+        readers: list[ReplyReader] | None,
     ) -> None:
         self.gen = gen
         self.tok = tok
         self.top_n = top_n
-        # Under a tool choice each choice's text is read as calls (or a text answer).
-        self.tools = None if tools is None else [ToolCalls(tools) for _ in range(gen.num_choices)]
+        # Under tools or a reasoning format each choice's text is read into its parts.
+        self.tools = readers
         self.head = {"id": gen.request_id, "created": int(time.time()), "model": model}
         self.prompt: tuple[list[int], int | None] = ([], None)  # ids, prompt_logprobs' top n
 

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from quill.contract.outputs import RequestOutput
+from quill.frontend.infill import infill_prompt
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
 from quill.server.generation import Generation, sse, unless_disconnected
@@ -37,10 +38,15 @@ async def create_completion(
     for p in prompts:
         if isinstance(p, str) and req.truncate_prompt_tokens is None:
             ctx.check_prompt_length(p)
+    if req.suffix is not None:
+        ctx.check_prompt_length(req.suffix, "suffix")
     special = req.add_special_tokens is not False
 
     def encode() -> list[list[int]]:
-        ids = [tok.encode(p, special) if isinstance(p, str) else list(p) for p in prompts]
+        if req.suffix is not None:
+            ids = [infill_prompt(tok, p, req.suffix) for p in prompts]
+        else:
+            ids = [tok.encode(p, special) if isinstance(p, str) else list(p) for p in prompts]
         return [req.truncate(i, ctx.max_model_len) for i in ids]
 
     n = req.num_choices

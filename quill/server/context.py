@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quill.frontend.chat import ChatFormat
 from quill.frontend.json_limits import JsonLimits
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.engine_client import EngineClient
@@ -39,6 +40,8 @@ class ServerContext:
     # The console page (quill/server/console) and the directories whose figures it links.
     console: bool = True
     console_figures: list[Path] = field(default_factory=list)
+    # How the model's conversations are written and its replies read (tools, reasoning).
+    chat_format: ChatFormat = field(default_factory=ChatFormat)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

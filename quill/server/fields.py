@@ -9,7 +9,7 @@ What a client can rely on:
   with their meaning (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stream_options
   with continuous_usage_stats, include_stop_str_in_output, skip_special_tokens, ...).
 - A field quill knows but does not implement is a 400 when ignoring it would silently change
-  the result (`UNSUPPORTED`: suffix, functions, ...), and accepted when its value asks for
+  the result (`UNSUPPORTED`: functions, beam search, ...), and accepted when its value asks for
   nothing (an empty list, false, null).
 - A field quill does not know is ignored, as vLLM does, and named in a warning in the log
   (`ignored_fields`): a client written for a newer API still works.
@@ -33,7 +33,6 @@ Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 # Known fields that change what is generated and that quill does not implement: refused when
 # they ask for something, so that ignoring them never changes a result silently.
 UNSUPPORTED: dict[str, str] = {
-    "suffix": "suffix (insertion) is not supported",
     "functions": "functions (function calling) are not supported",
     "function_call": "function_call is not supported",
     "use_beam_search": "beam search is not supported",

@@ -10,8 +10,6 @@ would cost more than the token.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from typing import ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, model_validator
@@ -20,13 +18,7 @@ from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
 from quill.contract.sampling_params import SamplingParams
 from quill.frontend.json_limits import DEFAULT_LIMITS, JsonLimits
-from quill.frontend.tools import (
-    Function,
-    ToolChoice,
-    read_tools,
-    render_conversation,
-    reply_constraint,
-)
+from quill.frontend.tools import Function, ToolChoice, read_tools
 from quill.server.constraints import (
     CONSTRAINT_FIELDS,
     ResponseFormat,
@@ -90,7 +82,7 @@ _REMOTE_FIELDS = (
 )
 
 
-class _SamplingRequest(Lenient):
+class SamplingRequest(Lenient):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # optional as in vLLM and llama.cpp: defaults to the served model
@@ -270,15 +262,24 @@ class _SamplingRequest(Lenient):
             ) from None
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1, le=128)
     add_special_tokens: bool | None = True  # vLLM: whether to add the BOS token and the like
+    # Code infill: the text after the cursor; the prompt is the text before it, and the reply
+    # the middle (quill/frontend/infill.py lays them out in the model's FIM tokens).
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _check_completion(self):
+        if self.suffix is not None:
+            if not all(isinstance(p, str) for p in self.prompts()):
+                raise InvalidRequestError("suffix needs the prompt as text (the code before "
+                                          "the cursor)", param="suffix")  # fmt: skip
+            if self.echo:
+                raise InvalidRequestError("echo is not available with suffix", param="echo")
         if isinstance(self.prompt, list) and (
             not self.prompt or any(isinstance(p, list) and not p for p in self.prompt)
         ):
@@ -350,23 +351,7 @@ class ChatMessage(Lenient):
         return out
 
 
-def template_messages(
-    messages: list[ChatMessage],
-    functions: list[Function] | None = None,
-    tool_choice: ToolChoice | None = None,
-    limits: JsonLimits = DEFAULT_LIMITS,
-) -> list[dict]:
-    """The conversation as the chat template takes it: tool calls and results written in the
-    generic tool format (quill/frontend/tools.py), the functions offered in the system
-    message when the reply may call them."""
-    try:
-        return render_conversation([m.as_template_dict() for m in messages], functions,
-                                   tool_choice, limits)  # fmt: skip
-    except ValueError as e:
-        raise InvalidRequestError(str(e), param="messages") from e
-
-
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -375,6 +360,14 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool | None = None
+    # Reasoning models (vLLM's fields): arguments for the chat template (Qwen3's
+    # {"enable_thinking": false}), whether the reply's thinking is returned, and a cap on
+    # its tokens, after which the end-of-thinking marker is forced. OpenAI's
+    # reasoning_effort "none" turns thinking off where the template has the switch.
+    chat_template_kwargs: dict | None = None
+    include_reasoning: bool | None = True
+    thinking_budget: Count | None = Field(None, alias="thinking_token_budget")
+    reasoning_effort: str | None = None  # only "none" changes anything here
     _functions: list[Function] = PrivateAttr(default_factory=list)
     _tool_choice: ToolChoice | None = PrivateAttr(None)
     # OpenAI's "text" is the only output modality of a language model server.
@@ -387,6 +380,9 @@ class ChatCompletionRequest(_SamplingRequest):
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
             )
         self._read_tools()
+        if self.chat_template_kwargs is not None:
+            self._limits.check_value(self.chat_template_kwargs, "chat_template_kwargs",
+                                     "chat_template_kwargs")  # fmt: skip
         if self.modalities and set(self.modalities) != {"text"}:
             raise InvalidRequestError("only the text modality is supported", param="modalities")
         for m in self.messages:
@@ -417,11 +413,6 @@ class ChatCompletionRequest(_SamplingRequest):
                 '(tool_choice "none" leaves the tools unused)',
                 param="tools",
             )
-        constraint = reply_constraint(self._functions, self._tool_choice)
-        # All the functions' schemas in one: a little deeper than each, as many $refs as all.
-        together = dataclasses.replace(limits, max_json_depth=limits.max_json_depth + 8)
-        together.check_value(json.loads(constraint.value), "tools", "the tools' schemas together")
-        self._constraint, self._constraint_field = constraint, "tools"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -432,8 +423,28 @@ class ChatCompletionRequest(_SamplingRequest):
         """How the reply must use the tools (None: it is plain text)."""
         return self._tool_choice
 
+    @property
+    def functions(self) -> list[Function]:
+        return self._functions
+
+    @property
+    def limits(self) -> JsonLimits:
+        return self._limits
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for (tools aside: the chat format makes theirs)."""
+        return self._constraint
+
+    def template_kwargs(self) -> dict:
+        """The chat template's arguments this request asks for."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+        return kwargs
+
     def template_messages(self) -> list[dict]:
-        return template_messages(self.messages, self._functions, self._tool_choice, self._limits)
+        return [m.as_template_dict() for m in self.messages]
 
 
 class TokenizeRequest(Lenient):
@@ -453,8 +464,12 @@ class TokenizeRequest(Lenient):
             raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
         return self
 
+    @property
+    def limits(self) -> JsonLimits:
+        return self._limits
+
     def template_messages(self) -> list[dict]:
-        return template_messages(self.messages or [], limits=self._limits)
+        return [m.as_template_dict() for m in self.messages or []]
 
 
 class DetokenizeRequest(Lenient):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -22,6 +23,7 @@ import uvicorn
 
 from quill.distributed.ports import free_port
 from quill.engine_args import add_engine_arguments, engine_options, parse_bytes
+from quill.frontend.chat import REASONING_PARSERS, TOOL_PARSERS, ChatFormat
 from quill.frontend.json_limits import JsonLimits
 from quill.server.app import build_app
 from quill.server.console.routes import DEFAULT_FIGURE_DIRS
@@ -96,6 +98,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=limits.max_grammar_chars,
         help="longest regular expression or grammar a request may give as text; past it, 400",
     )
+    add_chat_format_arguments(parser)
     parser.add_argument(
         "--request-body-timeout",
         type=float,
@@ -279,6 +282,7 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         kv_lease_s=args.kv_lease,
         console=args.console,
         console_figures=args.console_figures or list(DEFAULT_FIGURE_DIRS),
+        chat_format=chat_format_of(args, engine.tokenizer),
     )
     config = uvicorn.Config(
         build_app(ctx),
@@ -291,6 +295,46 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         timeout_keep_alive=5,
     )
     return QuillServer(config, ctx, announce)
+
+
+def add_chat_format_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the model's conversations are written and its replies read (vLLM's flag names)."""
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSERS,
+        default="auto",
+        help="the model's tool-call format: auto (chosen from the chat template and logged; "
+        "generic for a template that renders no tools), hermes (Qwen2.5/3), llama3_json, "
+        "mistral, generic (quill's JSON shape)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines: quill always serves tool_choice auto",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="auto",
+        help="where the reply's thinking is split off into reasoning_content: auto (from the "
+        "chat template), qwen3, deepseek_r1, none",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        help="chat template arguments every request gets unless it sets them, as JSON (e.g. "
+        "'{\"enable_thinking\": false}')",
+    )
+
+
+def chat_format_of(args: argparse.Namespace, tokenizer) -> ChatFormat:
+    """The chat format the flags and the model's template decide."""
+    kwargs = args.default_chat_template_kwargs
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise SystemExit("--default-chat-template-kwargs must be a JSON object")
+    return ChatFormat.choose(tokenizer.hf.chat_template, args.tool_call_parser,
+                             args.reasoning_parser, kwargs)  # fmt: skip
 
 
 def run_serve(args: argparse.Namespace) -> int:

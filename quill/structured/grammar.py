@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError
 
 from quill.contract.constraint import Constraint
+from quill.structured.schema import bounded_numbers
 
 # JSON without free whitespace between tokens (", " and ": " as separators): a model may
 # otherwise pad a reply with whitespace until it runs out of tokens. Keywords the library
@@ -33,53 +34,14 @@ _COMPACT = {"whitespace_flexible": False, "lenient": True}
 CACHE_SIZE = 512
 
 
-# A number in a JSON reply has at most this many digits before and after its point (as in
-# llama.cpp's JSON grammars): a model that repeats a digit, as small models do, must end the
-# number instead of writing it until max_tokens. A schema's own bounds and multipleOf stand.
-MAX_INTEGER_DIGITS = 15
-MAX_FRACTION_DIGITS = 10
-_LARGEST = 10**MAX_INTEGER_DIGITS - 1
-# Keywords whose values are data, not schemas: never rewritten.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
-def bounded_numbers(schema):
-    """`schema` with every number and integer it declares bounded to MAX_INTEGER_DIGITS and
-    MAX_FRACTION_DIGITS digits (a reply valid for the result is valid for `schema`)."""
-    if isinstance(schema, list):
-        return [bounded_numbers(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _DATA_KEYWORDS else bounded_numbers(v) for k, v in schema.items()}
-    types = schema.get("type")
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
-    if types & {"number", "integer"}:
-        low = _bound(out, "minimum", "exclusiveMinimum")
-        high = _bound(out, "maximum", "exclusiveMaximum")
-        if low is None and (high is None or high >= -_LARGEST):
-            out["minimum"] = -_LARGEST
-        if high is None and (low is None or low <= _LARGEST):
-            out["maximum"] = _LARGEST
-        if "number" in types and "multipleOf" not in out:
-            out["multipleOf"] = float(f"1e-{MAX_FRACTION_DIGITS}")
-    return out
-
-
-def _bound(schema: dict, inclusive: str, exclusive: str) -> float | None:
-    """The schema's own bound on one side, if it has one (a number; True is draft 4's flag)."""
-    for key in (inclusive, exclusive):
-        value = schema.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return value
-    return None
-
-
 class GrammarError(ValueError):
     """The constraint cannot be enforced: the library's reason."""
 
 
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of a constraint (not yet checked)."""
+    if constraint.think_end:
+        return _after_thinking(constraint)
     kind, value = constraint.kind, constraint.value
     if kind == "json_schema":
         schema = bounded_numbers(json.loads(value))
@@ -97,6 +59,35 @@ def grammar_text(constraint: Constraint) -> str:
     if "::=" in value:  # GBNF / EBNF, as llama.cpp takes it
         return llguidance.grammar_from("gbnf", value)
     return llguidance.LLMatcher.grammar_from_lark(value)
+
+
+def _after_thinking(constraint: Constraint) -> str:
+    """The grammar of free thinking up to the first end marker (and the whitespace after),
+    then the answer's own grammar: one llguidance grammar set, the answer's by name."""
+    answer = grammar_text(replace(constraint, think_start="", think_end=""))
+    if answer.lstrip().startswith("{"):
+        grammars = json.loads(answer)["grammars"]
+    else:
+        grammars = [{"lark_grammar": answer}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    if constraint.think_end.startswith("<["):  # a token: text runs until it
+        thinking = f"thinking: THINKING {constraint.think_end}\nTHINKING: /(?s:.*)/"
+    else:  # text: up to the first time the marker is written
+        end = _lark_regex(json.loads(constraint.think_end))
+        thinking = f"thinking: THINKING\nTHINKING: /(?s:.*){end}/ & ~/(?s:.*{end}.+)/"
+    if constraint.think_start:
+        start = f"start: ({constraint.think_start} thinking SPACE)? @answer"
+    else:
+        start = "start: thinking SPACE @answer"
+    # At most 4 characters of whitespace between: a model may otherwise write it until
+    # max_tokens (as with numbers, quill/structured/schema.py).
+    lark = f"{start}\n{thinking}\nSPACE: /[ \\t\\r\\n]{{0,4}}/\n"
+    return json.dumps({"grammars": [{"name": "reply", "lark_grammar": lark}, *grammars]})
+
+
+def _lark_regex(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$#&-~/" else c for c in text)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,6 @@ def test_unknown_fields_are_ignored_and_named_in_the_log(http, greedy, caplog):
 @pytest.mark.parametrize(
     "path, field, value",
     [
-        (COMPLETIONS, "suffix", "end"),
         (COMPLETIONS, "bad_words", ["x"]),
         (COMPLETIONS, "use_beam_search", True),
         (CHAT, "functions", [{"name": "f"}]),
