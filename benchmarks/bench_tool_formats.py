@@ -6,7 +6,8 @@ reasoning parser costs.
    auto / required / named in turn, through the same path as `quill serve` (the family's
    template renders the tools, `required` and named calls are constrained to the family's
    format, the reply read by quill/server/tools.py). Families: Qwen3 (hermes, with thinking
-   capped by a budget), Llama 3.1 (llama3_json), Mistral (mistral), each a random-weight model
+   capped by a budget), Llama 3.1 (llama3_json), Mistral (mistral: the JSON array, and the
+   newer `name[ARGS]{...}` form of the v11 templates), each a random-weight model
    of Qwen3-0.6B's layer shape with the family's tokenizer and template (tests/chat_fixtures.py:
    no real one installs from the registries). Counted: required / named replies whose calls
    parse and validate (`jsonschema`, the named function when named); auto replies whose
@@ -55,7 +56,8 @@ QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                     max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
-FAMILIES = [("qwen3", "qwen3"), ("llama3.1", "llama3"), ("mistral", "mistral")]
+FAMILIES = [("qwen3", "qwen3"), ("llama3.1", "llama3"), ("mistral", "mistral"),
+            ("mistral_v11", "mistral")]  # fmt: skip
 ASKS = ["What is the weather in Paris?", "Add 3 and 4.", "Book a table for two.",
         "Find flights to Rome.", "Tell me a joke."]  # fmt: skip
 # Call JSON left in a text answer, or the family's own call markup: what leaks look like in

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
-FAMILIES = ("qwen2.5", "qwen3", "llama3.1", "mistral", "deepseek_r1")
+FAMILIES = ("qwen2.5", "qwen3", "llama3.1", "mistral", "mistral_v11", "deepseek_r1")
 
 # Marker tokens: whether each is special in its family's tokenizer (a special token's text
 # never matches it in a grammar, and decoding drops it unless asked to keep it).
@@ -25,6 +25,7 @@ MARKERS = {
     "<|end_header_id|>": True, "<|begin_of_text|>": True,
     "[TOOL_CALLS]": True, "[AVAILABLE_TOOLS]": True, "[/AVAILABLE_TOOLS]": True,
     "[TOOL_RESULTS]": True, "[/TOOL_RESULTS]": True, "[INST]": True, "[/INST]": True,
+    "[ARGS]": True, "[SYSTEM_PROMPT]": True, "[/SYSTEM_PROMPT]": True,
     "<|fim_prefix|>": True, "<|fim_suffix|>": True, "<|fim_middle|>": True,
     "<|fim_pad|>": True, "<|repo_name|>": True, "<|file_sep|>": True,
     "<｜User｜>": True, "<｜Assistant｜>": True, "<｜end▁of▁sentence｜>": True,

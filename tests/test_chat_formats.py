@@ -24,10 +24,10 @@ from quill.contract.sampling_params import SamplingParams
 from quill.frontend.chat import ChatFormat, prepare_chat
 from quill.frontend.reasoning import REASONING_FORMATS
 from quill.frontend.tokenizer import Tokenizer
-from quill.frontend.tool_formats import FORMATS
+from quill.frontend.tool_formats import FORMATS, MISTRAL_NAMED_ARGS
 from quill.frontend.tools import ToolChoice, read_tools
 from quill.server.tools import ReplyReader
-from tests.chat_fixtures import family_model, family_tokenizer
+from tests.chat_fixtures import FAMILIES, family_model, family_tokenizer
 
 # Strings bounded: a random-weight model writes a free string until max_tokens.
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -67,16 +67,13 @@ REFERENCE = [
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {
-        family: family_tokenizer(root / family, family)
-        for family in ("qwen2.5", "qwen3", "llama3.1", "mistral", "deepseek_r1")
-    }
+    return {family: family_tokenizer(root / family, family) for family in FAMILIES}
 
 
 @pytest.mark.parametrize(
     "family, fmt",
     [("qwen2.5", "hermes"), ("qwen3", "hermes"), ("llama3.1", "llama3_json"),
-     ("mistral", "mistral")],
+     ("mistral", "mistral"), ("mistral_v11", "mistral")],
 )  # fmt: skip
 def test_the_template_renders_tools_calls_and_results_as_transformers_does(tokenizers, family, fmt):
     from transformers import AutoTokenizer
@@ -147,6 +144,13 @@ SCRIPTS = [
      '{"name": "add", "arguments": {"a": 1, "b": 2}}]',
      {"content": None, "calls": [("get_weather", '{"city": "Paris"}'),
                                  ("add", '{"a": 1, "b": 2}')]}),
+    ("mistral_args", None, False,
+     'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[ARGS]'
+     '{"a": 1, "b": [2, "]"]}',
+     {"content": "Checking.", "calls": [("get_weather", '{"city": "Paris"}'),
+                                        ("add", '{"a": 1, "b": [2, "]"]}')]}),
+    ("mistral_args", None, False, "A [TOOL_CALLS]half-written name",
+     {"content": "A half-written name", "calls": []}),
     ("generic", None, False,
      '{"tool_calls":[{"name":"add","arguments":{"a":1,"b":2}}]}',
      {"content": None, "calls": [("add", '{"a":1,"b":2}')]}),
@@ -161,7 +165,7 @@ SCRIPTS = [
 
 def _reader(fmt, reasoning, opened):
     choice = None if fmt is None else ToolChoice("auto", parallel=True)
-    tool_format = FORMATS[fmt or "generic"]
+    tool_format = MISTRAL_NAMED_ARGS if fmt == "mistral_args" else FORMATS[fmt or "generic"]
     return ReplyReader(choice, tool_format, REASONING_FORMATS.get(reasoning), opened)
 
 
@@ -314,8 +318,9 @@ def _check_calls(llm, family_tools, choice_field, parallel, n, seed, thinking_bu
 
 @pytest.mark.parametrize(
     "family, kind",
-    [("qwen3", "qwen3"), ("llama3.1", "llama3"), ("mistral", "mistral")],
-)
+    [("qwen3", "qwen3"), ("llama3.1", "llama3"), ("mistral", "mistral"),
+     ("mistral_v11", "mistral")],
+)  # fmt: skip
 def test_constrained_calls_in_the_family_format_parse_and_validate(family_llms, family, kind):
     llm = family_llms(family, kind)
     named = {"type": "function", "function": {"name": "add"}}

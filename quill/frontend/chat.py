@@ -32,7 +32,12 @@ from quill.frontend.reasoning import (
     ReasoningFormat,
     detect_reasoning_format,
 )
-from quill.frontend.tool_formats import FORMATS, ToolFormat, detect_tool_format
+from quill.frontend.tool_formats import (
+    FORMATS,
+    ToolFormat,
+    detect_tool_format,
+    named_tool_format,
+)
 from quill.frontend.tools import Function, ToolChoice, render_conversation
 
 log = logging.getLogger(__name__)
@@ -63,7 +68,10 @@ class ChatFormat:
         if reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser {reasoning_parser!r}: one of "
                              f"{', '.join(REASONING_PARSERS)}")  # fmt: skip
-        tools = detect_tool_format(template) if tool_parser == "auto" else FORMATS[tool_parser]
+        if tool_parser == "auto":
+            tools = detect_tool_format(template)
+        else:
+            tools = named_tool_format(tool_parser, template)
         if reasoning_parser == "auto":
             reasoning = detect_reasoning_format(template)
         else:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quill.frontend.text_reader import StateReader, partial_suffix
+
 
 @dataclass(frozen=True)
 class ReasoningFormat:
@@ -48,68 +50,52 @@ def detect_reasoning_format(template: str | None) -> ReasoningFormat | None:
     return REASONING_FORMATS["deepseek_r1"]
 
 
-class ReasoningSplit:
+class ReasoningSplit(StateReader):
     """One reply's text, split as it arrives into reasoning and answer. What either holds is
     safe to send: a marker still forming is held back, and leading whitespace of each part
     waits until text follows it."""
 
     def __init__(self, fmt: ReasoningFormat, opened: bool) -> None:
+        super().__init__("inside" if opened else "maybe")
         self.fmt = fmt
-        self.text = ""
-        self.pos = 0
-        self.state = "inside" if opened else "maybe"
         self._reasoning = ""
         self._content = ""
-        self.finished = False
-
-    def feed(self, piece: str) -> None:
-        self.text += piece
-        self._read()
 
     def finish(self) -> None:
         self.finished = True
         self._read()
         rest = self.text[self.pos :]
         self.pos = len(self.text)
-        if self.state in ("inside",):
+        if self.state == "inside":
             self._reasoning += rest  # never closed: all of it was thinking
         else:
             self._content += rest
 
-    def _read(self) -> None:
-        while True:
-            before = (self.state, self.pos)
-            self._step()
-            if (self.state, self.pos) == before:
-                return
+    def _maybe(self) -> None:
+        """At the reply's start: the opening marker, or the answer."""
+        start = self.fmt.start
+        stripped = self.text[self.pos :].lstrip()
+        if stripped.startswith(start):
+            self.pos = len(self.text) - len(stripped) + len(start)
+            self.state = "inside"
+        elif not (start.startswith(stripped) and not self.finished):
+            self.state = "answer"
 
-    def _step(self) -> None:
-        rest = self.text[self.pos :]
-        start, end = self.fmt.start, self.fmt.end
-        if self.state == "maybe":
-            stripped = rest.lstrip()
-            if stripped.startswith(start):
-                self.pos = len(self.text) - len(stripped) + len(start)
-                self.state = "inside"
-            elif not (start.startswith(stripped) and not self.finished):
-                self.state = "content"
-        elif self.state == "inside":
-            found = rest.find(end)
-            if found >= 0:
-                self._reasoning += rest[:found]
-                self.pos += found + len(end)
-                self.state = "content"
-            else:
-                keep = partial_suffix(rest, end)
-                self._reasoning += rest[: len(rest) - keep]
-                self.pos += len(rest) - keep
-        elif self.state == "content":
-            self._content += rest
-            self.pos = len(self.text)
+    def _inside(self) -> None:
+        rest, end = self.text[self.pos :], self.fmt.end
+        found = rest.find(end)
+        if found >= 0:
+            self._reasoning += rest[:found]
+            self.pos += found + len(end)
+            self.state = "answer"
+        else:
+            keep = partial_suffix(rest, end)
+            self._reasoning += rest[: len(rest) - keep]
+            self.pos += len(rest) - keep
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self.state == "inside"
+    def _answer(self) -> None:
+        self._content += self.text[self.pos :]
+        self.pos = len(self.text)
 
     def reasoning(self) -> str:
         """The thinking so far, leading whitespace held until text follows."""
@@ -118,12 +104,3 @@ class ReasoningSplit:
     def content(self) -> str:
         """The answer so far, leading whitespace held until text follows."""
         return self._content.lstrip()
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker`: text held back, as it may
-    be a marker forming."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[len(text) - k :]):
-            return k
-    return 0

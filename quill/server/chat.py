@@ -113,7 +113,7 @@ class _Formatter:
         self.tok = tok
         self.top_n = top_n
         # Under tools or a reasoning format each choice's text is read into its parts.
-        self.tools = readers
+        self.readers = readers
         self.head = {"id": gen.request_id, "created": int(time.time()), "model": model}
         self.prompt: tuple[list[int], int | None] = ([], None)  # ids, prompt_logprobs' top n
 
@@ -147,9 +147,9 @@ class _Formatter:
             c = self.gen.finished[index].outputs[0]
             message = {"role": "assistant", "content": c.text}
             finish_reason = c.finish_reason
-            if self.tools is not None:
-                message = self.tools[index].message(c.text)
-                finish_reason = self.tools[index].finish_reason(finish_reason)
+            if self.readers is not None:
+                message = self.readers[index].message(c.text)
+                finish_reason = self.readers[index].finish_reason(finish_reason)
             choices.append(
                 {
                     "index": index,
@@ -196,9 +196,9 @@ class _Formatter:
         c = out.outputs[0]
         logprobs = self._logprobs(c.delta_token_ids, c.delta_logprobs)
         finish_reason = c.finish_reason
-        if self.tools is not None:
-            delta = self.tools[index].delta(c.delta_text, c.finished)
-            finish_reason = self.tools[index].finish_reason(finish_reason)
+        if self.readers is not None:
+            delta = self.readers[index].delta(c.delta_text, c.finished)
+            finish_reason = self.readers[index].finish_reason(finish_reason)
         else:
             delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
         if not delta and logprobs is None and not c.finished:
