@@ -225,8 +225,7 @@ def _literal(tokenizer):
     """How a grammar writes a marker: a token added to the vocabulary by its id (the grammar
     library reads every added token, special or not, as no text, and the model writes such a
     marker as that one token), anything else as its text."""
-    added = {token.content: token_id
-             for token_id, token in tokenizer.hf.added_tokens_decoder.items()}  # fmt: skip
+    added = tokenizer.added_tokens
 
     def literal(text: str) -> str:
         if text in added:

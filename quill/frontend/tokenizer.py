@@ -73,6 +73,11 @@ class Tokenizer:
         """The most characters of text one token can stand for (bounds tokens from below)."""
         return max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
 
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """The tokens added to the vocabulary (special or not), by their text."""
+        return {t.content: token_id for token_id, t in self.hf.added_tokens_decoder.items()}
+
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
@@ -100,13 +105,6 @@ class Tokenizer:
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
-
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """A conversation's prompt ids. The template writes its own special tokens (BOS and
-        the like), so the tokenizer adds none: the one definition for the server and LLM.chat.
-        """
-        text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
 
 
 def _gguf_tokenizer(path: Path):

@@ -173,7 +173,8 @@ def test_vllm_prompt_logprobs_on_chat(client, offline, model_name):
         n=2,
         extra_body={"prompt_logprobs": 1},
     )
-    ids = tok.encode_chat(messages)
+    text = tok.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
     reference = offline.generate(
         ids, SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False
     )[0]
