@@ -45,6 +45,7 @@ from benchmarks.bench_server import _Connection, start_server  # noqa: E402
 from benchmarks.bench_structured import WORDS, obj  # noqa: E402
 from benchmarks.engine.machine import machine_info  # noqa: E402
 from quill import LLM, SamplingParams  # noqa: E402
+from quill.frontend.tool_formats import detect_tool_format  # noqa: E402
 from quill.frontend.tools import Function, ToolChoice  # noqa: E402
 from quill.server.tools import ReplyReader  # noqa: E402
 from tests.chat_fixtures import family_model  # noqa: E402
@@ -72,14 +73,8 @@ def leak_pattern(fmt) -> re.Pattern:
 
 
 def calls_in_format(llm: LLM, rng: random.Random, requests: int, max_tokens: int) -> dict:
-    cases = []
-    for i in range(requests):
-        functions = [Function(f"{rng.choice(WORDS)}_{k}", "Does one thing", obj(rng, 2))
-                     for k in range(rng.randint(1, 3))]  # fmt: skip
-        mode = ("auto", "required", "named")[i % 3]
-        choice = ToolChoice(mode, functions[-1].name if mode == "named" else None)
-        ask = [{"role": "user", "content": rng.choice(ASKS)}]
-        cases.append((functions, choice, llm.chat_turn(ask, functions, choice)))
+    cases = [(functions, choice, llm.chat_turn(ask, functions, choice))
+             for functions, choice, ask in draw_cases(rng, requests)]  # fmt: skip
     budget = 32
     params = [turn.sampling_params(SamplingParams(max_tokens=max_tokens, temperature=0.8,
                                                   seed=i),
@@ -124,6 +119,94 @@ def calls_in_format(llm: LLM, rng: random.Random, requests: int, max_tokens: int
             "reasoning": cases[0][2].reasoning.name if cases[0][2].reasoning else None,
             "thinking_budget": budget, "generated_tokens": generated, "seconds": seconds,
             "problems": problems}  # fmt: skip
+
+
+def draw_cases(rng: random.Random, requests: int) -> list[tuple[list[Function], ToolChoice, list]]:
+    """The issue-21 benchmark's functions and asks, tool_choice auto / required / named."""
+    cases = []
+    for i in range(requests):
+        functions = [Function(f"{rng.choice(WORDS)}_{k}", "Does one thing", obj(rng, 2))
+                     for k in range(rng.randint(1, 3))]  # fmt: skip
+        mode = ("auto", "required", "named")[i % 3]
+        choice = ToolChoice(mode, functions[-1].name if mode == "named" else None)
+        cases.append((functions, choice, [{"role": "user", "content": rng.choice(ASKS)}]))
+    return cases
+
+
+def served_calls(model: Path, rng: random.Random, requests: int, max_tokens: int) -> dict:
+    """The same requests through `quill serve` and the official `openai` client, 16 at a
+    time, every other one streamed (its deltas joined as a client joins them)."""
+    template = json.loads((model / "tokenizer_config.json").read_text())["chat_template"]
+    fmt = detect_tool_format(template)
+    cases = draw_cases(rng, requests)
+    proc, url = start_server("shared", [str(model)])
+    try:
+        results = asyncio.run(_served(url, cases, max_tokens, "enable_thinking" in template))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    counts = {"required_or_named": 0, "valid": 0, "auto": 0, "auto_calls": 0,
+              "auto_leaks": 0, "streamed": requests // 2}  # fmt: skip
+    problems = []
+    for i, ((functions, choice, _), (content, calls, finish)) in enumerate(zip(cases, results)):
+        if choice.mode == "auto":
+            counts["auto"] += 1
+            counts["auto_calls"] += bool(calls)
+            if leak_pattern(fmt).search(content):
+                counts["auto_leaks"] += 1
+                problems.append({"request": i, "why": "call markup in content", "content": content})
+            continue
+        counts["required_or_named"] += 1
+        schemas = {f.name: f.arguments_schema for f in functions}
+        try:
+            assert finish == ("stop" if choice.mode == "named" else "tool_calls"), finish
+            assert calls, "no call"
+            for name, arguments in calls:
+                assert choice.mode != "named" or name == choice.name, "wrong function"
+                jsonschema.validate(json.loads(arguments), schemas[name])
+            counts["valid"] += 1
+        except (AssertionError, KeyError, ValueError, jsonschema.ValidationError) as e:
+            problems.append({"request": i, "why": str(e)[:200], "calls": calls})
+    return {**counts, "tool_format": fmt.name, "problems": problems}
+
+
+async def _served(url: str, cases, max_tokens: int, thinks: bool) -> list:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                                timeout=600)  # fmt: skip
+    gate = asyncio.Semaphore(16)
+
+    async def one(i: int, functions, choice, ask) -> tuple[str, list, str]:
+        tools = [{"type": "function", "function": f.offered()} for f in functions]
+        tool_choice = choice.mode if choice.mode != "named" else \
+            {"type": "function", "function": {"name": choice.name}}  # fmt: skip
+        kwargs = dict(model=None, messages=ask, tools=tools, tool_choice=tool_choice,
+                      temperature=0.8, seed=i, max_tokens=max_tokens,
+                      extra_body={"thinking_token_budget": 32} if thinks else None)  # fmt: skip
+        async with gate:
+            if i % 2 == 0:
+                r = await client.chat.completions.create(**kwargs)
+                m = r.choices[0].message
+                calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+                return m.content or "", calls, r.choices[0].finish_reason
+            content, joined, finish = "", {}, None
+            async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for c in delta.tool_calls or []:
+                    entry = joined.setdefault(c.index, ["", ""])
+                    entry[0] += (c.function.name or "") if c.id else ""
+                    entry[1] += c.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+            return content, [tuple(joined[k]) for k in sorted(joined)], finish
+
+    try:
+        return await asyncio.gather(*(one(i, *case) for i, case in enumerate(cases)))
+    finally:
+        await client.close()
 
 
 def _reader(turn) -> ReplyReader:
@@ -207,6 +290,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--families", default=",".join(f for f, _ in FAMILIES))
     parser.add_argument("--skip-calls", action="store_true")
+    parser.add_argument("--skip-served", action="store_true")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -225,6 +309,12 @@ def main() -> int:
                 print(family, json.dumps({k: v for k, v in result["calls"][family].items()
                                           if k != "problems"}), flush=True)  # fmt: skip
                 del llm
+                if not args.skip_served:
+                    served = served_calls(model, random.Random(args.seed), args.requests,
+                                          args.max_tokens)  # fmt: skip
+                    result.setdefault("served", {})[family] = served
+                    brief = {k: v for k, v in served.items() if k != "problems"}
+                    print(family, "served", json.dumps(brief), flush=True)
         if not args.skip_cost:
             model = family_model(Path(tmp) / "r1", "deepseek_r1", "llama", **SMOLLM2_135M)
             result["parser_cost"] = parser_cost(model, args.rounds, args.clients, 128)
