@@ -18,6 +18,18 @@ from dataclasses import dataclass
 
 from quill.frontend.text_reader import StateReader, partial_suffix
 
+# The APIs' effort levels (OpenAI's `reasoning.effort`, Anthropic's `output_config.effort`) as
+# the thinking a reply may spend: a token budget, after which the end marker is forced (None:
+# no cap). "none" is not here: it turns thinking off where the template has the switch.
+EFFORT_BUDGETS: dict[str, int | None] = {
+    "minimal": 256,
+    "low": 1024,
+    "medium": 4096,
+    "high": None,
+    "xhigh": None,
+    "max": None,
+}
+
 
 @dataclass(frozen=True)
 class ReasoningFormat:

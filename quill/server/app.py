@@ -24,6 +24,8 @@ from quill.server.errors import APIError, bad_request, from_validation_error, in
 from quill.server.fields import ignored_fields
 from quill.server.guard import ARRIVAL, RequestGuard
 from quill.server.infill import InfillRequest, create_infill
+from quill.server.messages.protocol import CountTokensRequest, MessagesRequest
+from quill.server.messages.routes import install_messages
 from quill.server.openapi import install_openapi
 from quill.server.protocol import (
     ChatCompletionRequest,
@@ -31,6 +33,9 @@ from quill.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from quill.server.responses.protocol import ResponsesRequest
+from quill.server.responses.routes import install_responses
+from quill.server.responses.store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +147,10 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def get_model(model_id: str) -> dict:
         return model_card(ctx.check_model(model_id))
 
+    store = ResponseStore(ctx.responses_store_bytes, ctx.responses_store_ttl)
+    install_responses(v1, ctx, parse, arrival, store)
+    install_messages(v1, ctx, parse, arrival)
+    app.state.responses = store
     app.include_router(v1)
 
     @app.get("/health")
@@ -198,6 +207,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
         {
             "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest,
+            "/v1/responses": ResponsesRequest,
+            "/v1/messages": MessagesRequest,
+            "/v1/messages/count_tokens": CountTokensRequest,
             "/tokenize": TokenizeRequest,
             "/detokenize": DetokenizeRequest,
         },

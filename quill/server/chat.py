@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -13,15 +14,9 @@ from quill.contract.outputs import RequestOutput, TokenLogprobs
 from quill.frontend.chat import ChatTurn, prepare_chat
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
-from quill.server.generation import (
-    Generation,
-    json_logprob,
-    sse,
-    token_text,
-    unless_disconnected,
-)
-from quill.server.kv_transfer import kv_transfer
-from quill.server.logprobs import vllm_prompt_logprobs
+from quill.server.generation import Generation, sse, unless_disconnected
+from quill.server.kv_transfer import KVTransfer, kv_transfer
+from quill.server.logprobs import token_logprobs, vllm_prompt_logprobs
 from quill.server.protocol import ChatCompletionRequest
 from quill.server.tools import ReplyReader
 
@@ -43,20 +38,30 @@ def prepare(ctx: ServerContext, req: ChatCompletionRequest) -> ChatTurn:
     )
 
 
-async def create_chat_completion(
-    ctx: ServerContext, req: ChatCompletionRequest, raw: Request, arrival_time: float
-) -> Response | dict:
-    model = ctx.check_model(req.model)
-    tok = ctx.tokenizer
-    messages = req.template_messages()
+@dataclass
+class ChatRun:
+    """A chat turn handed to the engine: its generation, the prompt as the engine got it, and
+    a reader a choice for the reply's parts (thinking, text, calls)."""
 
+    gen: Generation
+    turn: ChatTurn
+    prompt: list[int]
+    readers: list[ReplyReader]
+
+
+async def start_chat(
+    ctx: ServerContext,
+    req: ChatCompletionRequest,
+    raw: Request,
+    arrival_time: float,
+    prefix: str = "chatcmpl",
+    kv: KVTransfer | None = None,
+) -> ChatRun:
+    """The one way a conversation reaches the engine, whichever API it came through (chat
+    completions, responses, messages): the model's chat format, the limits, admission."""
+    messages = req.template_messages()
     if req.truncate_prompt_tokens is None:
         ctx.check_prompt_length("".join(m["content"] for m in messages), "messages")
-
-    stream = bool(req.stream)
-    kv = kv_transfer(
-        ctx, req.kv_transfer_params, 1, req.num_choices, stream, False, req.scores_prompt
-    )
     turn = await asyncio.to_thread(prepare, ctx, req)
     prompt = req.truncate(turn.prompt_ids, ctx.max_model_len)
     # No default cap for chat: the reply may run to the end of the context, as with OpenAI.
@@ -72,23 +77,31 @@ async def create_chat_completion(
     if kv is not None:
         params = [kv.sampling_params(p) for p in params]
         scheduling |= kv.scheduling()
-    gen = Generation.for_request(ctx, "chatcmpl", arrival_time, req, raw)
+    gen = Generation.for_request(ctx, prefix, arrival_time, req, raw)
     gen.constraint_field = turn.constraint_field
     await gen.submit([prompt], params, scheduling)
-    readers = None
-    if turn.choice is not None or turn.reasoning is not None:
-        readers = [
-            ReplyReader(
-                turn.choice,
-                turn.tools,
-                turn.reasoning,
-                turn.opened,
-                req.include_reasoning is not False,
-            )  # fmt: skip
-            for _ in range(gen.num_choices)
-        ]
-    fmt = _Formatter(gen, model, tok, req.top_logprobs or 0, readers)
-    fmt.prompt = (prompt, req.prompt_logprobs)
+    include_reasoning = req.include_reasoning is not False
+    readers = [
+        ReplyReader(turn.choice, turn.tools, turn.reasoning, turn.opened, include_reasoning)
+        for _ in range(gen.num_choices)
+    ]
+    return ChatRun(gen, turn, prompt, readers)
+
+
+async def create_chat_completion(
+    ctx: ServerContext, req: ChatCompletionRequest, raw: Request, arrival_time: float
+) -> Response | dict:
+    model = ctx.check_model(req.model)
+    stream = bool(req.stream)
+    kv = kv_transfer(
+        ctx, req.kv_transfer_params, 1, req.num_choices, stream, False, req.scores_prompt
+    )
+    run = await start_chat(ctx, req, raw, arrival_time, kv=kv)
+    gen, turn = run.gen, run.turn
+    # Plain text needs no reading: its deltas go out as they come.
+    readers = run.readers if turn.choice is not None or turn.reasoning is not None else None
+    fmt = _Formatter(gen, model, ctx.tokenizer, req.top_logprobs or 0, readers)
+    fmt.prompt = (run.prompt, req.prompt_logprobs)
     if req.stream:
         chunks = fmt.stream(req.include_usage, req.continuous_usage)
         return gen.stream(chunks)
@@ -120,24 +133,8 @@ class _Formatter:
     def _logprobs(self, token_ids: list[int], entries: list[TokenLogprobs] | None):
         if entries is None:
             return None
-        content = []
-        for tid, entry in zip(token_ids, entries):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[: self.top_n]
-            content.append(
-                {
-                    **self._token(tid, entry.get(tid)),
-                    "top_logprobs": [self._token(t, lp) for t, lp in ranked],
-                }
-            )
+        content = token_logprobs(self.tok, token_ids, entries, self.top_n)
         return {"content": content, "refusal": None}
-
-    def _token(self, token_id: int, logprob: float | None) -> dict:
-        text = token_text(self.tok, token_id)
-        return {
-            "token": text,
-            "logprob": json_logprob(logprob),
-            "bytes": list(text.encode("utf-8")),
-        }
 
     async def collect(self) -> dict:
         async for _ in self.gen.outputs():

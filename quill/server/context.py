@@ -31,6 +31,9 @@ class ServerContext:
     # Bounds on the JSON inside a request's fields: schemas, tools, call arguments, grammars.
     json_limits: JsonLimits = field(default_factory=JsonLimits)
     request_body_timeout: float = 30.0
+    # Stored responses of the Responses API: bytes kept, and seconds each is kept.
+    responses_store_bytes: int = 256 << 20
+    responses_store_ttl: float = 86400.0
     metrics_require_key: bool = False
     enable_api_docs: bool = False
     # Disaggregation (quill/server/kv_transfer.py): "prefill", "decode" or "both" (whole

@@ -1,4 +1,6 @@
-"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, and on the
+paths of Anthropic's Messages API in Anthropic's: {"type": "error", "error": {"type",
+"message"}}, its type named after the status (`ANTHROPIC_TYPES`).
 
 Every failure a client can cause maps to a 4xx with that body; anything else becomes a 500 with
 the same shape and no traceback (the traceback goes to the server's log).
@@ -43,11 +45,41 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict:
+    def body(self, path: str = "") -> dict:
+        """The error's body in the shape of the API at `path`."""
+        if is_anthropic(path):
+            return anthropic_body(self.status_code, self.message)
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status_code, headers=self.headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        """As an ASGI app (the guard's refusals, before any route)."""
+        await self.response(scope.get("path", ""))(scope, receive, send)
+
+
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_body(status: int, message: str) -> dict:
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_body(
@@ -97,23 +129,41 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return from_invalid(exc).response()
+        return from_invalid(exc).response(request.url.path)
 
     @app.exception_handler(ValidationError)
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc) -> JSONResponse:
-        return from_validation_error(exc).response()
+        return from_validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return APIError(exc.status_code, str(exc.detail), kind, headers=exc.headers).response()
+        error = APIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+        return error.response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return APIError(500, "internal server error", "server_error").response()
+        return APIError(500, "internal server error", "server_error").response(request.url.path)
+
+
+def renamed(error: APIError | InvalidRequestError, names: dict[str, str]) -> APIError:
+    """`error` with its field named as another API names it (`names`: ours -> theirs), for
+    an API translated into chat completions (the Responses API's `input` is chat's
+    `messages`)."""
+    if isinstance(error, InvalidRequestError):
+        error = from_invalid(error)
+    param = error.param
+    if param is not None:
+        head, _, rest = param.partition(".")
+        if head in names:
+            param = names[head] + ("." + rest if rest else "")
+            message = error.message.replace(error.param, param, 1)
+            error = APIError(error.status_code, message, error.type, param, error.code,
+                             error.headers)  # fmt: skip
+    return error

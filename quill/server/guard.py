@@ -2,8 +2,9 @@
 
 One ASGI layer, outermost, so that no route can forget a check:
 - the API key, on every path but /health, the console's sign-in and (unless asked) /metrics:
-  as a Bearer header, or as the console's cookie (quill/server/console/routes.py); a page
-  opened without it gets the sign-in page;
+  as a Bearer header, as Anthropic's `x-api-key` header, or as the console's cookie
+  (quill/server/console/routes.py); a page opened without it gets the sign-in page;
+- refusals in the shape of the API the path belongs to (quill/server/errors.py);
 - the body's media type: JSON, or none given (curl without -H). Anything else is a 415; this
   also keeps a web page from posting a "simple" text/plain request to a server on localhost,
   which a browser would send without asking;
@@ -27,10 +28,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, Response
 
 from quill.server.console.routes import COOKIE, LOGIN_PATH, PAGE_PATHS, cookie_token
-from quill.server.errors import error_body
+from quill.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class RequestGuard:
     ) -> None:
         self.app = app
         self.expected_key = _digest(f"Bearer {api_key}") if api_key else None
+        self.expected_header = _digest(api_key) if api_key else None  # x-api-key
         self.expected_cookie = _digest(cookie_token(api_key)) if api_key else None
         self.cookie_name = COOKIE
         self.open_paths = {"/health", LOGIN_PATH} | (set() if metrics_require_key else {"/metrics"})
@@ -128,17 +130,22 @@ class RequestGuard:
         given = _digest(headers.get("authorization", ""))
         if hmac.compare_digest(given, self.expected_key):
             return True
+        if "x-api-key" in headers:
+            given = _digest(headers["x-api-key"])
+            if hmac.compare_digest(given, self.expected_header):
+                return True
         value = cookie_value(headers.get("cookie", ""), self.cookie_name)
         return value is not None and hmac.compare_digest(_digest(value), self.expected_cookie)
 
-    def _refusal(self, scope, headers: dict[str, str]) -> Response | None:
+    def _refusal(self, scope, headers: dict[str, str]) -> Response | APIError | None:
         if self.expected_key is not None and scope["path"] not in self.open_paths:
             if not self._has_key(headers):
                 if scope["path"] in self.page_paths and scope["method"] == "GET":
                     return HTMLResponse(self.login_page(), status_code=401)
                 return _error(
                     401,
-                    "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                    "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>' (or "
+                    "'x-api-key: <key>').",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
@@ -158,7 +165,7 @@ class RequestGuard:
                 return self._too_large()
         return None
 
-    def _too_large(self) -> Response:
+    def _too_large(self) -> APIError:
         return _error(
             413,
             f"The request body is larger than this server accepts ({self.max_request_bytes} "
@@ -187,16 +194,13 @@ class RequestGuard:
 
 
 class _Refused(Exception):
-    def __init__(self, response: JSONResponse) -> None:
+    def __init__(self, response: APIError) -> None:
         self.response = response
 
 
-def _error(status: int, message: str, code: str | None = None, headers=None) -> JSONResponse:
-    return JSONResponse(
-        error_body(message, "invalid_request_error", None, code),
-        status_code=status,
-        headers=headers,
-    )
+def _error(status: int, message: str, code: str | None = None, headers=None) -> APIError:
+    """A refusal; called as an ASGI app it answers in the shape of the API the path is in."""
+    return APIError(status, message, code=code, headers=headers)
 
 
 def cookie_value(header: str, name: str) -> str | None:

@@ -103,3 +103,21 @@ def vllm_prompt_logprobs(
             }
         out.append(item)
     return out
+
+
+def token_logprobs(
+    tok: Tokenizer, token_ids: list[int], entries: list[TokenLogprobs], top_n: int
+) -> list[dict]:
+    """OpenAI's per-token logprobs (chat completions' `logprobs.content`, the Responses API's
+    `output_text.logprobs`): each token's text, logprob and bytes, and its top `top_n`."""
+
+    def token(token_id: int, logprob: float | None) -> dict:
+        text = token_text(tok, token_id)
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode())}
+
+    out = []
+    for tid, entry in zip(token_ids, entries):
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+        out.append({**token(tid, entry.get(tid)),
+                    "top_logprobs": [token(t, lp) for t, lp in ranked]})  # fmt: skip
+    return out

@@ -337,6 +337,10 @@ class ChatMessage(Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # the call a tool message answers
+    # An assistant turn's thinking, given back (vLLM's field; `reasoning` its newer name):
+    # templates such as Qwen3's show it for the turns of the current tool loop.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def as_template_dict(self) -> dict:
         if isinstance(self.content, list):
@@ -348,6 +352,9 @@ class ChatMessage(Lenient):
             out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None and self.role == "assistant":
+            out["reasoning_content"] = thinking
         return out
 
 

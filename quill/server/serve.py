@@ -106,6 +106,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a request body may stall before the server answers 408",
     )
     parser.add_argument(
+        "--responses-store-size",
+        type=parse_bytes,
+        default=256 << 20,
+        help="memory kept for stored responses of the Responses API (e.g. 256MiB; the oldest "
+        "go first past it)",
+    )
+    parser.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=86400.0,
+        metavar="SECONDS",
+        help="a stored response is forgotten this long after it was made (default 86400)",
+    )
+    parser.add_argument(
         "--metrics-require-key",
         action="store_true",
         help="with --api-key, /metrics needs the key too (/health never does)",
@@ -276,6 +290,8 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
             args.max_grammar_chars,
         ),  # fmt: skip
         request_body_timeout=args.request_body_timeout,
+        responses_store_bytes=args.responses_store_size,
+        responses_store_ttl=args.responses_store_ttl,
         metrics_require_key=args.metrics_require_key,
         enable_api_docs=args.enable_api_docs,
         role=args.role,
@@ -341,7 +357,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Entry point of `quill serve`; returns the process exit code."""
     flags = ("max_queued_requests", "max_seqs_per_request", "max_prompt_logprobs_tokens",
              "max_request_bytes", "max_json_depth", "max_json_values", "max_schema_refs",
-             "max_grammar_chars")  # fmt: skip
+             "max_grammar_chars", "responses_store_size", "responses_store_ttl")  # fmt: skip
     for flag in flags:
         value = getattr(args, flag)
         if value is not None and value < 1:

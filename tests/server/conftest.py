@@ -20,8 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import API_KEY
 
 from quill.contract.sampling_params import SamplingParams
+from quill.frontend.tokenizer import Tokenizer
 from quill.llm import LLM
 from quill.server.serve import QuillServer, add_serve_arguments, build_server
+from tests.chat_fixtures import family_model
 
 SERVER_ARGS = [
     "--dtype", "float32",
@@ -134,3 +136,26 @@ def scrape(http: httpx.Client):
         return values
 
     return run
+
+
+# A model in its own words (tests/chat_fixtures.py): a random-weight Qwen3-shaped model with the
+# Qwen3 family's tokenizer and template, served with its tool and reasoning formats; shared by
+# the suites of the APIs that read them (chat completions, responses, messages).
+@pytest.fixture(scope="session")
+def qwen3_server(tmp_path_factory):
+    directory = family_model(tmp_path_factory.mktemp("qwen3-served"), "qwen3", "qwen3")
+    args = [str(directory), *SERVER_ARGS, "--kv-cache-memory", "64MiB",
+            "--tool-call-parser", "auto", "--reasoning-parser", "auto"]  # fmt: skip
+    with running_server(args) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def qwen3(qwen3_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{qwen3_server.base_url}/v1", api_key=API_KEY,
+                         max_retries=0, timeout=120)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def qwen3_tok(qwen3_server) -> Tokenizer:
+    return qwen3_server.ctx.tokenizer

@@ -16,38 +16,14 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import SERVER_ARGS, running_server
 from pydantic import Field
 from server_helpers import API_KEY
-
-from quill.frontend.tokenizer import Tokenizer
-from tests.chat_fixtures import family_model
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
            "required": ["city"], "additionalProperties": False}  # fmt: skip
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-
-
-@pytest.fixture(scope="module")
-def qwen3_server(tmp_path_factory):
-    directory = family_model(tmp_path_factory.mktemp("qwen3-served"), "qwen3", "qwen3")
-    args = [str(directory), *SERVER_ARGS, "--kv-cache-memory", "64MiB",
-            "--tool-call-parser", "auto", "--reasoning-parser", "auto"]  # fmt: skip
-    with running_server(args) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def qwen3(qwen3_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{qwen3_server.base_url}/v1", api_key=API_KEY,
-                         max_retries=0, timeout=120)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def qwen3_tok(qwen3_server) -> Tokenizer:
-    return qwen3_server.ctx.tokenizer
 
 
 def _joined(chunks) -> dict:

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from schema_strategy import from_schema
 from server_helpers import engine_call, wait_until
 
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
-_CAPPED = ("max_tokens", "max_completion_tokens", "min_tokens")
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+          "/v1/messages/count_tokens", "/tokenize", "/detokenize"]  # fmt: skip
+_CAPPED = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")
 
 _json = st.recursive(
     st.none()
@@ -63,8 +64,10 @@ def bounded(body, path: str, model: str):
     for name in _CAPPED:
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = min(body[name], 4)
-    if "max_tokens" not in body:
-        body["max_tokens"] = 4  # chat would otherwise run to the end of the context
+    # Chat would otherwise run to the end of the context (the Responses API names it its way).
+    cap = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    if cap not in body and path != "/v1/messages/count_tokens":
+        body[cap] = 4
     if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
         body["n"] = min(body["n"], 2)
     if isinstance(body.get("prompt"), list) and body["prompt"]:
