@@ -33,8 +33,10 @@ how it measures:
   pace per token. e2e ends at [DONE].
   Output tokens come from the server's usage, else from logprob entries or llama-server's
   timings.predicted_n, else from the client tokenizing the text (the table says which).
-  Input tokens are the server's prompt_tokens when it reports usage: for --endpoint chat
-  they include the chat template's tokens around the prompt.
+  Input tokens are the server's prompt_tokens when it reports usage: for --endpoint chat,
+  responses and messages they include the chat template's tokens around the prompt. The
+  Responses and Messages APIs stream their own events (text deltas timed as chunks) and end
+  with their last event instead of [DONE]; their usage comes at the end.
   A failed request (refused connection, error status, error event, stream cut short, a
   reply with no text, --timeout) is reported with its reason; the run goes on.
   Percentiles interpolate linearly between ranks (numpy's default). The itl objective of
@@ -61,7 +63,8 @@ def add_serve_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
     add("--model", default=None, help="model name (default: the first of GET /v1/models)")
-    add("--endpoint", choices=("completions", "chat"), default="completions")
+    add("--endpoint", choices=("completions", "chat", "responses", "messages"),
+        default="completions")  # fmt: skip
     add("--num-prompts", type=argtypes.checked(argtypes.positive_int, "num-prompts"), default=100)
     add(
         "--request-rate",

@@ -68,7 +68,7 @@ def format_table(summary: dict, settings: dict) -> str:
     sources = summary["token_sources"]
     counted = ", ".join(f"{k} ({v})" for k, v in sorted(sources.items())) or "-"
     input_note = "server's usage" if "usage" in sources else "client's tokenizer"
-    if settings["endpoint"] == "chat" and "usage" in sources:
+    if settings["endpoint"] != "completions" and "usage" in sources:
         input_note += " (chat template included)"
     rows = [
         ("Endpoint", settings["url"]),

@@ -25,7 +25,7 @@ class Target:
 
     base_url: str
     model: str
-    endpoint: str = "completions"  # or "chat"
+    endpoint: str = "completions"  # or "chat", "responses", "messages"
     api_key: str | None = None
     ignore_eos: bool = False
     timeout: float = 600.0
@@ -41,16 +41,19 @@ def request_body(target: Target, request: BenchRequest) -> dict:
     """A streamed request asking for usage in every chunk (vLLM's and quill's extension; other
     servers ignore it and send usage last, or not at all), greedy so runs compare."""
     body: dict = {"model": target.model}
-    if target.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+    asked = [{"role": "user", "content": request.prompt}]
+    if target.endpoint == "responses":  # usage comes in its last event
+        body |= {"input": asked, "max_output_tokens": request.output_len}
+    elif target.endpoint == "messages":  # usage in message_start and message_delta
+        body |= {"messages": asked, "max_tokens": request.output_len}
     else:
-        body["prompt"] = request.prompt
-    body |= {
-        "max_tokens": request.output_len,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
+        if target.endpoint == "chat":
+            body["messages"] = asked
+        else:
+            body["prompt"] = request.prompt
+        usage = {"include_usage": True, "continuous_usage_stats": True}
+        body |= {"max_tokens": request.output_len, "stream_options": usage}
+    body |= {"temperature": 0, "stream": True}
     if target.ignore_eos:
         body["ignore_eos"] = True
     return body | (target.extra_body or {})

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 
 import httpx
 
-ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINT_PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
+# The events that end a Responses API or Messages API stream (they send no [DONE]).
+END_EVENTS = {"response.completed", "response.incomplete", "response.failed", "message_stop"}
 
 
 class StreamFailure(Exception):
@@ -102,7 +109,8 @@ def error_message(payload: object) -> str:
 async def sse_chunks(
     response: httpx.Response, clock: Callable[[], float] = time.perf_counter
 ) -> AsyncIterator[tuple[float, dict | None]]:
-    """(arrival time, chunk) for every data event, then (time, None) for [DONE].
+    """(arrival time, chunk) for every data event, then (time, None) for [DONE] (or after the
+    event that ends a Responses or Messages stream).
 
     Raises StreamFailure for an error event, an event that is not JSON, or a stream that ends
     without [DONE] (a server that died mid-reply).
@@ -128,11 +136,24 @@ async def sse_chunks(
         if event == "error" or not isinstance(chunk, dict) or "error" in chunk:
             raise StreamFailure(f"error event: {error_message(chunk)}")
         yield now, chunk
+        if chunk.get("type") in END_EVENTS:
+            if chunk["type"] == "response.failed":
+                raise StreamFailure(f"error event: {error_message(chunk['response'])}")
+            yield now, None
+            return
     raise StreamFailure("stream ended without [DONE]")
 
 
 def chunk_text(chunk: dict) -> str:
-    """The output text of a completions or chat chunk (first choice: one is asked for)."""
+    """The output text of a completions or chat chunk (first choice: one is asked for), or of
+    a Responses or Messages API event."""
+    kind = chunk.get("type")
+    if kind in ("response.output_text.delta", "response.reasoning_text.delta",
+                "response.function_call_arguments.delta"):  # fmt: skip
+        return chunk.get("delta") or ""
+    if kind == "content_block_delta":
+        delta = chunk.get("delta") or {}
+        return delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
     choices = chunk.get("choices") or []
     if not choices:
         return ""
@@ -142,6 +163,24 @@ def chunk_text(chunk: dict) -> str:
     delta = choice.get("delta") or {}
     # A reasoning model's thinking is output too (vLLM streams it apart from the content).
     return delta.get("content") or delta.get("reasoning_content") or ""
+
+
+def openai_usage(chunk: dict) -> dict | None:
+    """A chunk's usage as chat completions name it (prompt_tokens, completion_tokens): the
+    Responses API gives it in its last event, the Messages API in message_start (the prompt)
+    and message_delta (the output)."""
+    kind = chunk.get("type")
+    if kind in ("response.completed", "response.incomplete"):
+        u = (chunk.get("response") or {}).get("usage") or {}
+        return {"prompt_tokens": u.get("input_tokens"), "completion_tokens": u.get("output_tokens")}
+    if kind in ("message_start", "message_delta"):
+        u = (chunk.get("message") or chunk).get("usage") or {}
+        prompt = None
+        if u.get("input_tokens") is not None:
+            prompt = u["input_tokens"] + (u.get("cache_read_input_tokens") or 0)
+        output = u.get("output_tokens") if kind == "message_delta" else None
+        return {"prompt_tokens": prompt, "completion_tokens": output}
+    return chunk.get("usage")
 
 
 async def stream_request(
@@ -205,12 +244,12 @@ async def _stream(
                 break
             text = chunk_text(chunk)
             tokens: int | None = None
-            usage = chunk.get("usage")
+            usage = openai_usage(chunk)
+            if usage and usage.get("prompt_tokens") is not None:
+                record.prompt_tokens = usage["prompt_tokens"]
             if usage and usage.get("completion_tokens") is not None:
                 tokens = usage["completion_tokens"] - (usage_tokens or 0)
                 usage_tokens = usage["completion_tokens"]
-                if usage.get("prompt_tokens") is not None:
-                    record.prompt_tokens = usage["prompt_tokens"]
             elif usage_tokens is None:
                 new = count_new_tokens(chunk, counted)
                 if new:

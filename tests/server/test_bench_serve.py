@@ -1,7 +1,8 @@
 """`quill bench serve` end to end against the test server, through the command line's own entry
-point: every request timed and counted right on both endpoints, the concurrency cap kept, the
-JSON and figures written, and failures (a request the server refuses, a server that is not
-there) reported with their reasons while the run still finishes."""
+point: every request timed and counted right on each endpoint (completions, chat, responses,
+messages), the concurrency cap kept, the JSON and figures written, and failures (a request the
+server refuses, a server that is not there) reported with their reasons while the run still
+finishes."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _most_in_flight(requests: list[dict]) -> int:
     )
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses", "messages"])
 def test_bench_serve_times_every_request(server, base_url, tmp_path, capsys, endpoint):
     plots = tmp_path / "plots"
     rc, result = _bench(
@@ -42,7 +43,7 @@ def test_bench_serve_times_every_request(server, base_url, tmp_path, capsys, end
         "--max-concurrency", "3",
         "--ignore-eos",
         "--seed", "5",
-        "--plot", str(plots),
+        *(["--plot", str(plots)] if endpoint == "chat" else []),
     )  # fmt: skip
     assert rc == 0
     summary, requests = result["summary"], result["requests"]
@@ -69,7 +70,7 @@ def test_bench_serve_times_every_request(server, base_url, tmp_path, capsys, end
     assert result["settings"]["seed"] == 5 and result["settings"]["endpoint"] == endpoint
     table = capsys.readouterr().out
     assert "Successful requests:" in table and "TTFT" in table and "no SLO given" in table
-    for name in ("ttft_cdf.png", "itl_cdf.png", "timeline.png"):
+    for name in ("ttft_cdf.png", "itl_cdf.png", "timeline.png") if endpoint == "chat" else ():
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

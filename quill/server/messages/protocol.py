@@ -229,6 +229,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, le=2**63 - 1)
+    ignore_eos: bool | None = None  # vLLM's extension (benchmarks ask for fixed lengths)
     metadata: Metadata | None = None
     # Accepted: they change nothing about what is generated.
     service_tier: str | None = None
@@ -242,7 +243,7 @@ class MessagesRequest(CountTokensRequest):
         body = super().chat_request()
         body |= {"max_tokens": self.max_tokens, "stop": self.stop_sequences,
                  "temperature": self.temperature, "top_p": self.top_p,
-                 "top_k": self.top_k}  # fmt: skip
+                 "top_k": self.top_k, "ignore_eos": self.ignore_eos}  # fmt: skip
         return {k: v for k, v in body.items() if v is not None}
 
 

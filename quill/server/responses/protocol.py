@@ -6,10 +6,10 @@ What is honoured: `input` as text or items (messages with text parts, `function_
 `parallel_tool_calls`, `text.format` (json_schema, json_object), `max_output_tokens`,
 `temperature`, `top_p`, `top_logprobs`, `reasoning` (effort, summary), `metadata`, `store`,
 `include`, `previous_response_id`, `background`, `stream`; vLLM's sampling extensions (top_k,
-min_p, repetition_penalty, seed, priority, cache_salt, chat_template_kwargs) ride along as in
-chat completions. What asks for something quill does not do (built-in tools, images and files,
-`conversation`, stored `prompt` templates, `truncation: "auto"`, `max_tool_calls`) is a 400
-naming the field.
+min_p, repetition_penalty, seed, priority, cache_salt, chat_template_kwargs, ignore_eos)
+ride along as in chat completions. What asks for something quill does not do (built-in
+tools, images and files, `conversation`, stored `prompt` templates, `truncation: "auto"`,
+`max_tool_calls`) is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -291,6 +291,7 @@ class ResponsesRequest(Lenient):
     cache_salt: str | None = Field(None, min_length=1)
     chat_template_kwargs: dict | None = None
     thinking_token_budget: Count | None = None
+    ignore_eos: bool | None = None
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo):
@@ -359,6 +360,7 @@ class ResponsesRequest(Lenient):
             "parallel_tool_calls": self.parallel_tool_calls,
             "chat_template_kwargs": self.chat_template_kwargs,
             "thinking_token_budget": self.thinking_token_budget,
+            "ignore_eos": self.ignore_eos,
         }
         if self.tools:
             body["tools"] = [t.as_chat_tool() for t in self.tools]
