@@ -140,10 +140,11 @@ class _Connection:
                 await reader.readline()
                 return arrivals, last
             chunk = await reader.readexactly(size + 2)
-            if b'"usage"' in chunk:  # only the last event is parsed: the client stays light
-                last = json.loads(chunk[chunk.index(b"{") : chunk.rindex(b"}") + 1])
-            elif token_mark in chunk:
-                arrivals.append(time.perf_counter())
+            for event in chunk.split(b"\n\n"):  # a chunk may carry several events
+                if b'"usage"' in event:  # only events with usage are parsed: the client stays light
+                    last = json.loads(event[event.index(b"{") : event.rindex(b"}") + 1])
+                elif token_mark in event:
+                    arrivals.append(time.perf_counter())
 
     def close(self) -> None:
         if self.writer is not None:

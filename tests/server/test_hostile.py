@@ -2,7 +2,8 @@
 a real `quill serve` process while a victim streams beside them.
 
 What must hold over the whole set: the process never dies, no connection is reset, no reply
-is a 5xx, every refusal is a 4xx in OpenAI's shape naming a field; the victim's greedy text
+is a 5xx, every refusal is a 4xx in its API's shape (OpenAI's, or Anthropic's on /v1/messages)
+naming a field; the victim's greedy text
 is the same every time (fp32, so batching cannot move it); when it is over nothing waits in
 the queue and no KV block is held.
 """
@@ -18,14 +19,23 @@ import pytest
 from server_helpers import sample, wait_until
 from test_server_cli import KEY, ServeProcess
 
+from quill.server.errors import ANTHROPIC_TYPES
+from quill.server.messages.protocol import MessagesRequest
 from quill.server.protocol import ChatCompletionRequest, CompletionRequest
+from quill.server.responses.protocol import ResponsesRequest
 
 FLAGS = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--quantization", "none",
          "--kv-cache-memory", "128MiB", "--port", "0", "--max-queued-requests", "64",
          "--no-access-log", "--log-level", "warning")  # fmt: skip
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
 USER = [{"role": "user", "content": "hi"}]
+# Each route's smallest request, and the field that caps its reply.
+BASE = {COMPLETIONS: {"prompt": "x"}, CHAT: {"messages": USER}, RESPONSES: {"input": "hi"},
+        MESSAGES: {"messages": USER}}  # fmt: skip
+CAP = {COMPLETIONS: "max_tokens", CHAT: "max_tokens", RESPONSES: "max_output_tokens",
+       MESSAGES: "max_tokens"}  # fmt: skip
 VICTIM = {"prompt": "The history of the printing press", "max_tokens": 24, "temperature": 0,
           "ignore_eos": True, "stream": True}  # fmt: skip
 
@@ -67,6 +77,14 @@ def schema_fields(schema) -> list[tuple[str, str, dict]]:
         ("guided_json", COMPLETIONS, {"guided_json": text}),
         ("structured_outputs", COMPLETIONS, {"structured_outputs": {"json": schema}}),
         ("tools", CHAT, {"tools": [tool], "tool_choice": "required"}),
+        ("text", RESPONSES, {"text": {"format": {"type": "json_schema", "name": "x",
+                                                 "schema": schema}}}),
+        ("tools", RESPONSES, {"tools": [{"type": "function", "name": "f", "parameters": schema}],
+                              "tool_choice": "required"}),
+        ("output_config", MESSAGES, {"output_config": {"format": {"type": "json_schema",
+                                                                  "schema": schema}}}),
+        ("tools", MESSAGES, {"tools": [{"name": "f", "input_schema": schema}],
+                             "tool_choice": {"type": "any"}}),
     ]  # fmt: skip
 
 
@@ -139,15 +157,19 @@ def accepted() -> list[tuple[str, str, dict]]:
 
 
 def wrong_types() -> list[tuple[str, str, dict, str]]:
-    """Every field of both sampling routes given values of other types: each is served or
+    """Every field of the sampling routes given values of other types: each is served or
     refused naming a field, never a 5xx."""
     values = [{"x": {"y": [1]}}, [1, "a"], "text", -1, 2.5, True, None]
     cases = []
-    for route, model in ((COMPLETIONS, CompletionRequest), (CHAT, ChatCompletionRequest)):
+    routes = ((COMPLETIONS, CompletionRequest), (CHAT, ChatCompletionRequest),
+              (RESPONSES, ResponsesRequest), (MESSAGES, MessagesRequest))  # fmt: skip
+    for route, model in routes:
         for field, value in itertools.product(sorted(model.model_fields), values):
             if field.startswith("_"):
                 continue
             name = model.model_fields[field].alias or field
+            if route == RESPONSES and name == CAP[route] and value is None:
+                continue  # no other field caps the reply: it would run to the context's end
             cases.append((f"{route} {name}={value!r}", route, {name: value}, name))
     return cases
 
@@ -208,7 +230,13 @@ def check_reply(r: httpx.Response, case: str, param: str | None = None) -> None:
         return
     assert r.status_code < 500, (case, r.status_code, r.text[:300])
     if r.status_code >= 400:
-        error = r.json()["error"]
+        body = r.json()
+        error = body["error"]
+        if body.get("type") == "error":  # Anthropic's shape: no param, the message names it
+            assert set(body) == {"type", "error"} and set(error) == {"type", "message"}, body
+            assert error["type"] == ANTHROPIC_TYPES[r.status_code] and error["message"], error
+            assert param is None or param in error["message"], (case, error)
+            return
         assert error["type"] == "invalid_request_error" and error["message"], (case, error)
         if param is not None:
             named = error["param"] or ""
@@ -221,8 +249,7 @@ def test_hostile_requests_leave_the_server_and_its_other_clients_alone(served):
     victim = Victim(str(http.base_url))
     sent = 0
     for case, route, body, param in refusals():
-        base = {"prompt": "x"} if route == COMPLETIONS else {"messages": USER}
-        r = http.post(route, json={**base, "max_tokens": 4, **body})
+        r = http.post(route, json={**BASE[route], CAP[route]: 4, **body})
         assert r.status_code == 400, (case, r.status_code, r.text[:300])
         check_reply(r, case, param)
         sent += 1
@@ -232,12 +259,14 @@ def test_hostile_requests_leave_the_server_and_its_other_clients_alone(served):
         assert r.status_code == 200, (case, r.status_code, r.text[:300])
         sent += 1
     for case, route, body, field in wrong_types():
-        base = {"prompt": "Hi"} if route == COMPLETIONS else {"messages": USER}
         # The reply stays short whatever the field (max_completion_tokens wins).
-        limit = "max_completion_tokens" if field == "max_tokens" else "max_tokens"
-        r = http.post(route, json={**base, limit: 2, **body})
+        limit = CAP[route]
+        if field == limit and route in (COMPLETIONS, CHAT):
+            limit = "max_completion_tokens"
+        r = http.post(route, json={**BASE[route], limit: 2, **body})
         check_reply(r, case)
-        assert r.status_code not in range(400, 500) or r.json()["error"]["param"], case
+        if route != MESSAGES:
+            assert r.status_code not in range(400, 500) or r.json()["error"]["param"], case
         sent += 1
     # The console's sign-in and the cookie: nested bodies, a quoted cookie of backslashes.
     for body in (nested_text(100_000), '{"api_key": ' + nested_text(150) + "}", "[]", '"k"'):
