@@ -19,9 +19,18 @@ What a client can rely on:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    model_validator,
+)
 
 from quill.contract.errors import InvalidRequestError
 from quill.frontend.json_limits import DEFAULT_LIMITS, JsonLimits
@@ -81,3 +90,23 @@ class Lenient(BaseModel):
             if name in UNSUPPORTED and _asks_for_something(value):
                 raise InvalidRequestError(UNSUPPORTED[name], param=name)
         return self
+
+
+def member(model: type, name: str):
+    """A union member tagged `name` (see `by_type`)."""
+    return Annotated[model, Tag(f"[{name}]")]
+
+
+def by_type(known: Iterable[str], missing: str = "", other: str = "other") -> Discriminator:
+    """A union's discriminator by the value's "type": its own tag for a `known` type, the
+    `missing` one's when no type is given, `other` else (a member that refuses it by name).
+    Tags are bracketed, so that an error's location leaves them out (quill.server.errors): a
+    bad role in the first input item is `input.0.role`."""
+    names = set(known)
+
+    def tag(value) -> str:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        kind = kind or missing
+        return f"[{kind if kind in names else other}]"
+
+    return Discriminator(tag)

@@ -63,30 +63,63 @@ class PartStream:
 
     def feed(self, text: str, finished: bool) -> list[PartEvent]:
         """The events that the reply's next piece `text` makes."""
+        pieces = self._cut(text)
+        events: list[PartEvent] = []
+        for i, piece in enumerate(pieces):
+            events += self._feed(piece, finished and i == len(pieces) - 1)
+        return events
+
+    def _cut(self, text: str) -> list[str]:
+        """`text` cut where a call's marker begins and ends. The reader's delta says what of
+        the text and of the calls grew, not in which order; one change between text and a call
+        a feed keeps the order (text, then the call it opens; a call, then the text after)."""
+        if self.reader.calls is None or len(text) < 2:
+            return [text]
+        fmt = self.reader.format
+        cuts = set()
+        for marker in (m for m in (fmt.open, fmt.close) if m):
+            at = text.find(marker)
+            while at != -1:
+                cuts |= {at, at + len(marker)}
+                at = text.find(marker, at + 1)
+        cuts = sorted(c for c in cuts if 0 < c < len(text))
+        if not cuts:
+            return [text]
+        return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+    def _feed(self, text: str, finished: bool) -> list[PartEvent]:
         delta = self.reader.delta(text, finished)
         events: list[PartEvent] = []
-        if delta.get("reasoning_content"):
+        if delta.get("reasoning_content"):  # the thinking comes before all else
             self._grow(REASONING, delta["reasoning_content"], events)
+        entries = delta.get("tool_calls", ())
+        # The calls already open go on first (a call ends before the text after it), the
+        # text next, the calls it opens last.
+        for entry in entries:
+            if "id" not in entry:
+                self._arguments(self._calls[entry["index"]], entry, events)
         if delta.get("content"):
             self._grow(TEXT, delta["content"], events)
-        for entry in delta.get("tool_calls", ()):
-            function = entry.get("function", {})
+        for entry in entries:
             if "id" in entry:
                 part = self._start(CALL, events)
-                part.call_id, part.name = entry["id"], function["name"]
+                part.call_id, part.name = entry["id"], entry["function"]["name"]
                 self._calls[entry["index"]] = part
                 events.append(PartEvent("open", part))
-            part = self._calls[entry["index"]]
-            piece = function.get("arguments", "")
-            if piece:
-                part.text += piece
-                if part is self._open:
-                    events.append(PartEvent("delta", part, piece))
-                else:  # the reader finishes a call before it starts anything after it
-                    log.warning("arguments of call %s arrived after it closed", part.name)
+                self._arguments(part, entry, events)
         if finished:
             self._close(events)
         return events
+
+    def _arguments(self, part: Part, entry: dict, events: list[PartEvent]) -> None:
+        piece = entry.get("function", {}).get("arguments", "")
+        if not piece:
+            return
+        part.text += piece
+        if part is self._open:
+            events.append(PartEvent("delta", part, piece))
+        else:  # the reader finishes a call before it starts anything after it
+            log.warning("arguments of call %s arrived after it closed", part.name)
 
     def _grow(self, kind: str, piece: str, events: list[PartEvent]) -> None:
         part = self._open

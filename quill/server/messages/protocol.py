@@ -19,19 +19,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Field, model_validator
 
 from quill.contract.errors import InvalidRequestError
 from quill.frontend.reasoning import EFFORT_BUDGETS
-from quill.server.fields import Lenient
+from quill.server.fields import Lenient, by_type, member
 
 
 def _unsupported(what: str, param: str) -> InvalidRequestError:
     return InvalidRequestError(f"{what} not supported", param=param)
-
-
-def _tag(value) -> str:
-    return value.get("type", "") if isinstance(value, dict) else getattr(value, "type", "")
 
 
 class TextBlock(Lenient):
@@ -83,16 +79,14 @@ class OtherBlock(Lenient):
         raise _unsupported(f"content blocks of type {self.type!r} are", "messages")
 
 
-_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-
 Block = Annotated[
-    Annotated[TextBlock, Tag("text")]
-    | Annotated[ToolUseBlock, Tag("tool_use")]
-    | Annotated[ToolResultBlock, Tag("tool_result")]
-    | Annotated[ThinkingBlock, Tag("thinking")]
-    | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]
-    | Annotated[OtherBlock, Tag("other")],
-    Discriminator(lambda v: _tag(v) if _tag(v) in _BLOCKS else "other"),
+    member(TextBlock, "text")
+    | member(ToolUseBlock, "tool_use")
+    | member(ToolResultBlock, "tool_result")
+    | member(ThinkingBlock, "thinking")
+    | member(RedactedThinkingBlock, "redacted_thinking")
+    | member(OtherBlock, "other"),
+    by_type(("text", "tool_use", "tool_result", "thinking", "redacted_thinking")),
 ]
 
 
@@ -126,8 +120,8 @@ class ServerTool(Lenient):
 
 
 ToolSpec = Annotated[
-    Annotated[ClientTool, Tag("custom")] | Annotated[ServerTool, Tag("server")],
-    Discriminator(lambda v: "custom" if _tag(v) in ("", "custom", None) else "server"),
+    member(ClientTool, "custom") | member(ServerTool, "server"),
+    by_type(("custom",), missing="custom", other="server"),  # client tools may leave it out
 ]
 
 
@@ -249,6 +243,7 @@ class MessagesRequest(CountTokensRequest):
 
 # The chat request's fields, as this API names them (for the errors its validation raises).
 CHAT_PARAMS = {
+    "prompt": "messages",
     "stop": "stop_sequences",
     "thinking_token_budget": "thinking",
     "reasoning_effort": "thinking",

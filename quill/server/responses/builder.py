@@ -13,6 +13,7 @@ max_output_tokens, `response.failed` when it failed).
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 
@@ -73,7 +74,7 @@ class ResponseBuilder:
             "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": None,
             "model": self.model,
-            "output": [dict(item) for item in self.items],
+            "output": copy.deepcopy(self.items),
             "parallel_tool_calls": bool(req.parallel_tool_calls),
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": reasoning.get("effort"),
@@ -95,6 +96,10 @@ class ResponseBuilder:
 
     # -- events ---------------------------------------------------------------------------
     def event(self, type: str, **fields) -> dict:
+        # The items and parts an event carries are as they are now: they grow afterwards.
+        for key in ("item", "part", "response"):
+            if key in fields:
+                fields[key] = copy.deepcopy(fields[key])
         out = {"type": type, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return out
@@ -151,14 +156,13 @@ class ResponseBuilder:
     def _content(self, kind: str, text: str) -> dict:
         if kind == REASONING:
             return {"type": "reasoning_text", "text": text}
-        content = {"type": "output_text", "text": text, "annotations": []}
-        if self.req.logprobs_asked:
-            content["logprobs"] = []
-        return content
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     def _delta(self, part: Part, piece: str) -> list[dict]:
         item = self._item_of[part.index]
         where = self._where(part)
+        if part.kind != TEXT:
+            self.pending_logprobs = []  # the step's tokens were thinking or a call's
         if part.kind == CALL:
             item["arguments"] = part.text
             return [self.event("response.function_call_arguments.delta", **where, delta=piece)]
@@ -186,11 +190,8 @@ class ResponseBuilder:
                 if self.pending_logprobs and self.req.logprobs_asked:
                     content["logprobs"].extend(self.pending_logprobs)
                 self.pending_logprobs = []
-                fields = {"text": part.text}
-                if self.req.logprobs_asked:
-                    fields["logprobs"] = content["logprobs"]
                 out.append(self.event("response.output_text.done", **where, content_index=0,
-                                      **fields))  # fmt: skip
+                                      text=part.text, logprobs=content["logprobs"]))  # fmt: skip
             else:
                 out.append(self.event("response.reasoning_text.done", **where, content_index=0,
                                       text=part.text))  # fmt: skip

@@ -17,11 +17,11 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationInfo, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
 from quill.contract.errors import InvalidRequestError
 from quill.frontend.reasoning import EFFORT_BUDGETS
-from quill.server.fields import Count, Int64, Lenient, limits_of
+from quill.server.fields import Count, Int64, Lenient, by_type, limits_of, member
 
 # What `include` may ask for: the two quill fills in, and the outputs of OpenAI's built-in
 # tools, which quill never runs (so there is nothing of theirs to include).
@@ -80,21 +80,12 @@ class OtherContent(Lenient):
         raise _unsupported(f"content of type {self.type!r} is", "input")
 
 
-def _type_tag(value) -> str:
-    return value.get("type", "") if isinstance(value, dict) else getattr(value, "type", "")
-
-
-def _content_tag(value) -> str:
-    tag = _type_tag(value)
-    return tag if tag in ("input_text", "output_text", "refusal") else "other"
-
-
 Content = Annotated[
-    Annotated[TextContent, Tag("input_text")]
-    | Annotated[TextContent, Tag("output_text")]
-    | Annotated[RefusalContent, Tag("refusal")]
-    | Annotated[OtherContent, Tag("other")],
-    Discriminator(_content_tag),
+    member(TextContent, "input_text")
+    | member(TextContent, "output_text")
+    | member(RefusalContent, "refusal")
+    | member(OtherContent, "other"),
+    by_type(("input_text", "output_text", "refusal")),
 ]
 
 
@@ -166,21 +157,14 @@ class OtherItem(Lenient):
         raise _unsupported(f"input items of type {self.type!r} are", "input")
 
 
-_ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
-
-
-def _item_tag(value) -> str:
-    tag = _type_tag(value) or "message"  # a message may leave its type out
-    return tag if tag in _ITEM_TAGS else "other"
-
-
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")]
-    | Annotated[OtherItem, Tag("other")],
-    Discriminator(_item_tag),
+    member(MessageItem, "message")
+    | member(FunctionCallItem, "function_call")
+    | member(FunctionCallOutputItem, "function_call_output")
+    | member(ReasoningItem, "reasoning")
+    | member(OtherItem, "other"),
+    # A message may leave its type out.
+    by_type(("message", "function_call", "function_call_output", "reasoning"), "message"),
 ]
 
 
@@ -208,8 +192,7 @@ class OtherTool(Lenient):
 
 
 ToolSpec = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
-    Discriminator(lambda v: "function" if _type_tag(v) == "function" else "other"),
+    member(FunctionTool, "function") | member(OtherTool, "other"), by_type(("function",))
 ]
 
 
@@ -384,6 +367,8 @@ class ResponsesRequest(Lenient):
 # The chat request's fields, as this API names them (for the errors its validation raises).
 CHAT_PARAMS = {
     "messages": "input",
+    "prompt": "input",
+    "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
     "thinking_token_budget": "reasoning",

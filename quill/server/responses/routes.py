@@ -91,7 +91,8 @@ def _usage(ctx: ServerContext, run: ChatRun, parts: PartStream) -> dict:
     reasoning_tokens = len(ctx.tokenizer.encode(thinking, False)) if thinking else 0
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                 "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens,
                                                           usage["completion_tokens"])},
@@ -106,7 +107,9 @@ def _sse(events: Iterable[dict]) -> str:
     )
 
 
-async def _event_stream(ctx, run: ChatRun, builder: ResponseBuilder, stored) -> AsyncIterator[str]:
+async def _event_stream(
+    ctx, run: ChatRun, builder: ResponseBuilder, stored, store: ResponseStore
+) -> AsyncIterator[str]:
     try:
         yield _sse(builder.start())
         try:
@@ -123,6 +126,8 @@ async def _event_stream(ctx, run: ChatRun, builder: ResponseBuilder, stored) -> 
             stored.finished()
     finally:
         run.gen.abort()
+        if stored is not None and stored.running:  # the client left halfway: not kept
+            store.delete(builder.id)
 
 
 async def _collect(ctx, run: ChatRun, builder: ResponseBuilder) -> dict:
@@ -168,12 +173,16 @@ def install_responses(router: APIRouter, ctx: ServerContext, parse, arrival, sto
             stored.task = asyncio.create_task(_background(ctx, run, builder, stored))
             return JSONResponse(builder.snapshot())
         if req.stream:
-            return StreamingResponse(_event_stream(ctx, run, builder, stored),
-                                     media_type="text/event-stream")  # fmt: skip
-        reply = await unless_disconnected(request, run.gen, lambda: _collect(ctx, run, builder))
-        if isinstance(reply, Response):
-            if stored is not None:
-                store.delete(builder.id)
+            events = _event_stream(ctx, run, builder, stored, store)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            reply = await unless_disconnected(request, run.gen,
+                                              lambda: _collect(ctx, run, builder))  # fmt: skip
+        except BaseException:
+            store.delete(builder.id)  # failed: nothing to keep
+            raise
+        if isinstance(reply, Response):  # the client left: nothing to keep
+            store.delete(builder.id)
             return reply
         if stored is not None:
             stored.finished()
