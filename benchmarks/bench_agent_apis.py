@@ -10,8 +10,9 @@ requests one after another over one keep-alive connection (the light client of
 benchmarks/bench_server.py: every event holding a text delta timestamped, only events with
 usage parsed); the same text prompts (random words, new each request so no prefix cache
 helps) through each API, greedy, ignore_eos, a fixed length. Each round runs the three APIs in
-turn, the order rotating round by round; each keeps its best round by tokens/s, and its TTFT
-and ITL medians over all rounds. Usage:
+turn, the order rotating round by round; each keeps its best round by tokens/s (and the
+median round, the steadier figure where rounds spread), and its TTFT and ITL medians over all
+rounds. Usage:
 
     .venv/bin/python benchmarks/bench_agent_apis.py [--models default,llama-3.2-1b-q4_k_m]
         [--clients 16] [--requests-per-client 2] [--prompt-words 96] [--output-len 64]
@@ -127,6 +128,7 @@ def measure(model: str, args) -> dict:
         itls = [t for run in done for t in run["itls"]]
         out[api] = {
             "best_tokens_per_s": max(run["tokens_per_s"] for run in done),
+            "median_tokens_per_s": statistics.median(run["tokens_per_s"] for run in done),
             "rounds_tokens_per_s": [run["tokens_per_s"] for run in done],
             "ttft_p50_ms": 1000 * statistics.median(ttfts),
             "ttft_p90_ms": 1000 * statistics.quantiles(ttfts, n=10)[-1],
@@ -135,6 +137,9 @@ def measure(model: str, args) -> dict:
     chat = out["chat"]
     for api in ("responses", "messages"):
         out[api]["tokens_per_s_vs_chat"] = out[api]["best_tokens_per_s"] / chat["best_tokens_per_s"]
+        out[api]["median_tokens_per_s_vs_chat"] = (
+            out[api]["median_tokens_per_s"] / chat["median_tokens_per_s"]
+        )
         out[api]["ttft_p50_vs_chat"] = out[api]["ttft_p50_ms"] / chat["ttft_p50_ms"]
     return out
 
@@ -163,7 +168,8 @@ def main() -> int:
         result["models"][model] = measure(model, args)
         for api in ("responses", "messages"):
             m = result["models"][model][api]
-            print(f"{model} {api}: {m['tokens_per_s_vs_chat']:.3f}x chat tokens/s, TTFT p50 "
+            print(f"{model} {api}: {m['tokens_per_s_vs_chat']:.3f}x chat tokens/s (best "
+                  f"rounds; medians {m['median_tokens_per_s_vs_chat']:.3f}x), TTFT p50 "
                   f"{m['ttft_p50_vs_chat']:.3f}x", flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
