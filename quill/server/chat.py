@@ -7,18 +7,32 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from quill.contract.errors import InvalidRequestError
 from quill.contract.outputs import RequestOutput, TokenLogprobs
 from quill.frontend.chat import ChatTurn, prepare_chat
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
+from quill.server.errors import from_validation_error, renamed
 from quill.server.generation import Generation, sse, unless_disconnected
 from quill.server.kv_transfer import KVTransfer, kv_transfer
 from quill.server.logprobs import token_logprobs, vllm_prompt_logprobs
 from quill.server.protocol import ChatCompletionRequest
 from quill.server.tools import ReplyReader
+
+
+def translated(ctx: ServerContext, body: dict, names: dict[str, str]) -> ChatCompletionRequest:
+    """The chat request another API's request translates into (`body`), validated as chat
+    completions are; its errors name the fields as that API does (`names`: ours -> theirs)."""
+    try:
+        return ChatCompletionRequest.model_validate(body, context={"limits": ctx.json_limits})
+    except ValidationError as e:
+        raise renamed(from_validation_error(e), names) from None
+    except InvalidRequestError as e:
+        raise renamed(e, names) from None
 
 
 def prepare(ctx: ServerContext, req: ChatCompletionRequest) -> ChatTurn:

@@ -271,6 +271,11 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+def typed_sse(events) -> str:
+    """Events named by their `type` (the Responses and Messages APIs' streams)."""
+    return "".join(f"event: {e['type']}\n{sse(e)}" for e in events)
+
+
 async def event_stream(gen: Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """Server-sent events ending in [DONE]; an engine failure becomes an error event."""
     try:

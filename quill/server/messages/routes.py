@@ -10,37 +10,23 @@ Errors come in Anthropic's shape (quill/server/errors.py), a stream's as an `err
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from quill.contract.errors import InvalidRequestError
-from quill.server.chat import ChatRun, prepare, start_chat
+from quill.server.chat import ChatRun, prepare, start_chat, translated
 from quill.server.context import ServerContext
 from quill.server.engine_client import EngineFailure
-from quill.server.errors import anthropic_body, from_validation_error, renamed
-from quill.server.generation import RequestFailed, unless_disconnected
+from quill.server.errors import anthropic_body, renamed
+from quill.server.generation import RequestFailed, typed_sse, unless_disconnected
 from quill.server.messages.builder import MessageBuilder, usage
 from quill.server.messages.protocol import CHAT_PARAMS, CountTokensRequest, MessagesRequest
-from quill.server.protocol import ChatCompletionRequest
 from quill.server.reply_parts import PartStream
 
 log = logging.getLogger(__name__)
-
-
-def chat_request(ctx: ServerContext, req: CountTokensRequest) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(
-            req.chat_request(), context={"limits": ctx.json_limits}
-        )
-    except ValidationError as e:
-        raise renamed(from_validation_error(e), CHAT_PARAMS) from None
-    except InvalidRequestError as e:
-        raise renamed(e, CHAT_PARAMS) from None
 
 
 async def _drive(run: ChatRun, builder: MessageBuilder) -> AsyncIterator[dict]:
@@ -58,26 +44,19 @@ async def _drive(run: ChatRun, builder: MessageBuilder) -> AsyncIterator[dict]:
         yield event
 
 
-def _sse(events: Iterable[dict]) -> str:
-    return "".join(
-        f"event: {e['type']}\ndata: {json.dumps(e, separators=(',', ':'), ensure_ascii=False)}\n\n"
-        for e in events
-    )
-
-
 async def _event_stream(run: ChatRun, builder: MessageBuilder) -> AsyncIterator[str]:
     try:
-        yield _sse(builder.start(len(run.prompt)))
+        yield typed_sse(builder.start(len(run.prompt)))
         try:
             async for event in _drive(run, builder):
-                yield _sse([event])
+                yield typed_sse([event])
         except RequestFailed as e:
-            yield _sse([anthropic_body(400, e.message)])
+            yield typed_sse([anthropic_body(400, e.message)])
         except EngineFailure as e:
-            yield _sse([anthropic_body(500, str(e))])
+            yield typed_sse([anthropic_body(500, str(e))])
         except Exception:
             log.exception("message %s failed", builder.id)
-            yield _sse([anthropic_body(500, "internal server error")])
+            yield typed_sse([anthropic_body(500, "internal server error")])
     finally:
         run.gen.abort()
 
@@ -96,7 +75,7 @@ def install_messages(router: APIRouter, ctx: ServerContext, parse, arrival) -> N
         t = arrival(request)
         req = await parse(request, MessagesRequest)
         model = ctx.check_model(req.model)
-        chat = chat_request(ctx, req)
+        chat = translated(ctx, req.chat_request(), CHAT_PARAMS)
         try:
             run = await start_chat(ctx, chat, request, t, prefix="msg")
         except InvalidRequestError as e:
@@ -112,7 +91,7 @@ def install_messages(router: APIRouter, ctx: ServerContext, parse, arrival) -> N
     async def count_tokens(request: Request) -> dict:
         req = await parse(request, CountTokensRequest)
         ctx.check_model(req.model)
-        chat = chat_request(ctx, req)
+        chat = translated(ctx, req.chat_request(), CHAT_PARAMS)
         try:
             turn = await asyncio.to_thread(prepare, ctx, chat)
         except InvalidRequestError as e:

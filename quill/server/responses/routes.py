@@ -10,40 +10,25 @@ parts (quill/server/reply_parts.py) become output items (quill/server/responses/
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from quill.contract.errors import InvalidRequestError
-from quill.server.chat import ChatRun, prepare, start_chat
+from quill.server.chat import ChatRun, prepare, start_chat, translated
 from quill.server.context import ServerContext
 from quill.server.engine_client import EngineFailure
-from quill.server.errors import APIError, from_validation_error, renamed
-from quill.server.generation import RequestFailed, unless_disconnected
+from quill.server.errors import APIError, renamed
+from quill.server.generation import RequestFailed, typed_sse, unless_disconnected
 from quill.server.logprobs import token_logprobs
-from quill.server.protocol import ChatCompletionRequest
 from quill.server.reply_parts import REASONING, PartStream
 from quill.server.responses.builder import ResponseBuilder
 from quill.server.responses.protocol import CHAT_PARAMS, ResponsesRequest
 from quill.server.responses.store import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
-
-
-def chat_request(ctx: ServerContext, req: ResponsesRequest, history: list[dict]):
-    """The chat completions request `req` is, after the conversation `history`."""
-    try:
-        return ChatCompletionRequest.model_validate(
-            req.chat_request(history), context={"limits": ctx.json_limits}
-        )
-    except ValidationError as e:
-        raise renamed(from_validation_error(e), CHAT_PARAMS) from None
-    except InvalidRequestError as e:
-        raise renamed(e, CHAT_PARAMS) from None
 
 
 def _history(store: ResponseStore, req: ResponsesRequest) -> list[dict]:
@@ -100,28 +85,21 @@ def _usage(ctx: ServerContext, run: ChatRun, parts: PartStream) -> dict:
     }  # fmt: skip
 
 
-def _sse(events: Iterable[dict]) -> str:
-    return "".join(
-        f"event: {e['type']}\ndata: {json.dumps(e, separators=(',', ':'), ensure_ascii=False)}\n\n"
-        for e in events
-    )
-
-
 async def _event_stream(
     ctx, run: ChatRun, builder: ResponseBuilder, stored, store: ResponseStore
 ) -> AsyncIterator[str]:
     try:
-        yield _sse(builder.start())
+        yield typed_sse(builder.start())
         try:
             async for event in _drive(ctx, run, builder):
-                yield _sse([event])
+                yield typed_sse([event])
         except RequestFailed as e:
-            yield _sse(builder.fail(e.message, "invalid_request_error"))
+            yield typed_sse(builder.fail(e.message, "invalid_request_error"))
         except EngineFailure as e:
-            yield _sse(builder.fail(str(e)))
+            yield typed_sse(builder.fail(str(e)))
         except Exception:
             log.exception("response %s failed", builder.id)
-            yield _sse(builder.fail("internal server error"))
+            yield typed_sse(builder.fail("internal server error"))
         if stored is not None:
             stored.finished()
     finally:
@@ -162,7 +140,7 @@ def install_responses(router: APIRouter, ctx: ServerContext, parse, arrival, sto
         req = await parse(request, ResponsesRequest)
         model = ctx.check_model(req.model)
         history = _history(store, req)
-        chat = chat_request(ctx, req, history)
+        chat = translated(ctx, req.chat_request(history), CHAT_PARAMS)
         builder = ResponseBuilder(req, model)
         run = await _start(ctx, chat, request, t)
         stored = None
@@ -192,7 +170,7 @@ def install_responses(router: APIRouter, ctx: ServerContext, parse, arrival, sto
     async def input_tokens(request: Request) -> dict:
         req = await parse(request, ResponsesRequest)
         ctx.check_model(req.model)
-        chat = chat_request(ctx, req, _history(store, req))
+        chat = translated(ctx, req.chat_request(_history(store, req)), CHAT_PARAMS)
         try:
             turn = await asyncio.to_thread(prepare, ctx, chat)
         except InvalidRequestError as e:
