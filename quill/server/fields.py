@@ -110,3 +110,15 @@ def by_type(known: Iterable[str], missing: str = "", other: str = "other") -> Di
         return f"[{kind if kind in names else other}]"
 
     return Discriminator(tag)
+
+
+def refused(name: str, what: str, param: str, note: str = "") -> type[Lenient]:
+    """The union member for the types quill does not take: "`what` of type 'x': not
+    supported`note`", a 400 naming `param` (`name`: the class's name in the schema)."""
+
+    def _refuse(self):
+        message = f"{what} of type {self.type!r}: not supported{note}"
+        raise InvalidRequestError(message, param=param)
+
+    return type(name, (Lenient,), {"__annotations__": {"type": str},
+                                   "_refuse": model_validator(mode="after")(_refuse)})  # fmt: skip

@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 
 from quill.contract.errors import InvalidRequestError
 from quill.frontend.reasoning import EFFORT_BUDGETS
-from quill.server.fields import Lenient, by_type, member
+from quill.server.fields import Lenient, by_type, member, refused
 
 
 def _unsupported(what: str, param: str) -> InvalidRequestError:
@@ -71,14 +71,7 @@ class RedactedThinkingBlock(Lenient):
     data: str
 
 
-class OtherBlock(Lenient):
-    type: str
-
-    @model_validator(mode="after")
-    def _refuse(self):
-        raise _unsupported(f"content blocks of type {self.type!r} are", "messages")
-
-
+OtherBlock = refused("OtherBlock", "content blocks", "messages")
 Block = Annotated[
     member(TextBlock, "text")
     | member(ToolUseBlock, "tool_use")
@@ -110,15 +103,8 @@ class ClientTool(Lenient):
         return {"type": "function", "function": function}
 
 
-class ServerTool(Lenient):
-    type: str
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _refuse(self):
-        raise _unsupported(f"tools of type {self.type!r} are (client tools only)", "tools")
-
-
+# Anthropic's server tools (web search, code execution, ...) run on Anthropic's side.
+ServerTool = refused("ServerTool", "tools", "tools", " (client tools only)")
 ToolSpec = Annotated[
     member(ClientTool, "custom") | member(ServerTool, "server"),
     by_type(("custom",), missing="custom", other="server"),  # client tools may leave it out

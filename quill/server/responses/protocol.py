@@ -21,7 +21,7 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from quill.contract.errors import InvalidRequestError
 from quill.frontend.reasoning import EFFORT_BUDGETS
-from quill.server.fields import Count, Int64, Lenient, by_type, limits_of, member
+from quill.server.fields import Count, Int64, Lenient, by_type, limits_of, member, refused
 
 # What `include` may ask for: the two quill fills in, and the outputs of OpenAI's built-in
 # tools, which quill never runs (so there is nothing of theirs to include).
@@ -70,16 +70,8 @@ class RefusalContent(Lenient):
     refusal: str
 
 
-class OtherContent(Lenient):
-    """Images, files, audio: a language model server has no use for them."""
-
-    type: str
-
-    @model_validator(mode="after")
-    def _refuse(self):
-        raise _unsupported(f"content of type {self.type!r} is", "input")
-
-
+# Images, files, audio: a language model server has no use for them.
+OtherContent = refused("OtherContent", "content", "input")
 Content = Annotated[
     member(TextContent, "input_text")
     | member(TextContent, "output_text")
@@ -149,14 +141,7 @@ class ReasoningItem(Lenient):
         return "\n".join(s.text for s in self.summary) or None
 
 
-class OtherItem(Lenient):
-    type: str
-
-    @model_validator(mode="after")
-    def _refuse(self):
-        raise _unsupported(f"input items of type {self.type!r} are", "input")
-
-
+OtherItem = refused("OtherItem", "input items", "input")
 InputItem = Annotated[
     member(MessageItem, "message")
     | member(FunctionCallItem, "function_call")
@@ -183,14 +168,7 @@ class FunctionTool(Lenient):
         return {"type": "function", "function": given}
 
 
-class OtherTool(Lenient):
-    type: str
-
-    @model_validator(mode="after")
-    def _refuse(self):
-        raise _unsupported(f"tools of type {self.type!r} are (function tools only)", "tools")
-
-
+OtherTool = refused("OtherTool", "tools", "tools", " (function tools only)")
 ToolSpec = Annotated[
     member(FunctionTool, "function") | member(OtherTool, "other"), by_type(("function",))
 ]
