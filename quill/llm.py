@@ -1,4 +1,5 @@
-"""The offline interface: `LLM(...).generate(prompts, params)` and `LLM(...).chat(messages)`."""
+"""The offline interface: `LLM(...).generate(prompts, params)`, `LLM(...).chat(messages)` and
+`LLM(...).embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 from quill.config import EngineConfig
 from quill.contract.errors import InvalidRequestError
 from quill.contract.outputs import RequestOutput
+from quill.contract.pooling import PoolingParams
 from quill.contract.sampling_params import SamplingParams
 from quill.engine.llm_engine import LLMEngine
 from quill.frontend.chat import ChatFormat, prepare_chat
@@ -72,6 +74,18 @@ class LLM:
             self._run({})
             raise
         return self._run({rid: i for i, rid in enumerate(ids)}, use_tqdm and len(ids) > 1)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[list[float]]:
+        """Each prompt's embedding: its final hidden states pooled (`pooling`; by default the
+        last token's, normalized), computed in one continuous batch with anything else the
+        engine runs; in input order."""
+        params = SamplingParams(max_tokens=0, pooling=pooling or PoolingParams())
+        return [out.embedding for out in self.generate(prompts, params, use_tqdm)]
 
     def _run(self, index: dict[str, int], use_tqdm: bool = False) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(index)

@@ -89,6 +89,7 @@ class RequestUpdate:
     error: str | None = None
     error_param: str | None = None  # set when the error is the request's own (a 4xx)
     kv_lease: RemoteKV | None = None  # on the last update of a leased request
+    embedding: list[float] | None = None  # on the last update of a pooling request
 
     @property
     def finished(self) -> bool:

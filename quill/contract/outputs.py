@@ -80,3 +80,5 @@ class RequestOutput:
     prompt_logprob_ranks: list[int | None] | None = None
     # A prefill instance's leased request: where a decode instance fetches its prompt's KV.
     kv_transfer: RemoteKV | None = None
+    # A pooling request's embedding (sampling_params.pooling), once its prompt is in.
+    embedding: list[float] | None = None

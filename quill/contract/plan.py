@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from quill.contract.pooling import PooledRows
 from quill.contract.sampling_params import SamplingParams
 
 
@@ -76,6 +77,9 @@ class SeqPlan:
     # start + i + 1), and how many top tokens to report beside each. None: none.
     prompt_logprob_token_ids: list[int] | None = None
     prompt_logprobs: int = 0
+    # Pooling (quill/contract/pooling.py): what this chunk's rows give the request's
+    # embedding ("mean", "cls", "last"); None: nothing.
+    pooling: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -199,6 +203,8 @@ class StepResult:
     # arrived, and why each that failed did.
     kv_fetched: dict[str, tuple[int, float]] = field(default_factory=dict)
     kv_fetch_failed: dict[str, str] = field(default_factory=dict)
+    # Per pooling request: what this step's chunk of its prompt gave (PooledRows).
+    pooled: dict[str, PooledRows] = field(default_factory=dict)
 
 
 class Executor(Protocol):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from quill.contract.constraint import Constraint
 from quill.contract.errors import InvalidRequestError
+from quill.contract.pooling import PoolingParams
 
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-5 already gives
 # the top token all the mass unless the runner-up is within ~1e-3, and smaller values would
@@ -69,6 +70,8 @@ class SamplingParams:
     thinking_budget: int | None = None
     thinking_end_ids: list[int] = field(default_factory=list)
     thinking_start_ids: list[int] = field(default_factory=list)
+    # An embedding instead of tokens (quill/contract/pooling.py): with max_tokens 0.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +133,9 @@ class SamplingParams:
         for token_id, bias in (self.logit_bias or {}).items():
             if not (math.isfinite(bias) and -100 <= bias <= 100):
                 raise bad("logit_bias", f"logit_bias of token {token_id} must be in [-100, 100]")
+        if self.pooling is not None and (self.max_tokens != 0 or self.prompt_logprobs is not None):
+            raise bad("pooling", "a pooling request computes its prompt only: max_tokens 0, no "
+                      "prompt_logprobs")  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -21,7 +21,11 @@ from quill.contract.messages import SpecDecodeStats, StepStats
 from quill.contract.plan import Executor, KVFetch, SampleLogprobs, SeqPlan, StepPlan, StepResult
 from quill.engine.admission import AdmissionControl, QueueState
 from quill.engine.clock import WallClock
-from quill.engine.prompt_scoring import gather_prompt_logprobs, prompt_tokens_to_score
+from quill.engine.prompt_scoring import (
+    gather_pooled,
+    gather_prompt_logprobs,
+    prompt_tokens_to_score,
+)
 from quill.engine.request import Request
 from quill.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -256,6 +260,8 @@ class EngineCore:
             return out
         if result.prompt_logprobs:
             gather_prompt_logprobs(sched, result.prompt_logprobs)
+        if result.pooled:
+            gather_pooled(sched, result.pooled)
         # Failed requests are finished by now, so `update` passes over them.
         advanced, finished = self.scheduler.update(sched, result.sampled, end)
         if self.structured is not None:
@@ -411,6 +417,7 @@ class EngineCore:
             merged.sampled.update(result.sampled)
             merged.logprobs.update(result.logprobs)
             merged.prompt_logprobs.update(result.prompt_logprobs)
+            merged.pooled.update(result.pooled)
             merged.kv_fetched.update(result.kv_fetched)
             merged.kv_fetch_failed.update(result.kv_fetch_failed)
         return failures, ran, merged
@@ -449,6 +456,7 @@ class EngineCore:
                     draft_token_ids=drafts,
                     prompt_logprob_token_ids=scored,
                     prompt_logprobs=request.sampling_params.prompt_logprobs if scored else 0,
+                    pooling=_pooling(request, start, s.num_tokens),
                 )
             )
         fetches = []
@@ -460,3 +468,17 @@ class EngineCore:
         plan = StepPlan(self._next_step_id, seqs, ended, fetches)
         self._next_step_id += 1
         return plan
+
+
+def _pooling(request: Request, start: int, num_tokens: int) -> str | None:
+    """What a chunk's rows give a pooling request: every chunk feeds a mean, the first the
+    first row, the one that ends the prompt its last row."""
+    pooling = request.sampling_params.pooling
+    if pooling is None:
+        return None
+    kind = pooling.type
+    if kind == "mean" or (kind == "cls" and start == 0):
+        return kind
+    if kind == "last" and start + num_tokens == len(request.prompt_token_ids):
+        return kind
+    return None

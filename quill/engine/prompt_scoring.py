@@ -1,4 +1,5 @@
-"""Prompt logprobs on the engine's side: which prompt tokens a chunk scores, and gathering them.
+"""Prompt logprobs on the engine's side: which prompt tokens a chunk scores, and gathering them;
+and a pooling request's chunks gathered into its embedding the same way.
 
 A request that asks for its prompt's logprobs scores it chunk by chunk: the row at position p
 of a chunk gives the logprob of prompt token p + 1. The core names those tokens in the plan
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from quill.contract.pooling import add_pooled
 from quill.engine.request import Request
 
 if TYPE_CHECKING:
@@ -40,3 +42,16 @@ def gather_prompt_logprobs(sched: SchedulerOutput, scored: dict[str, list]) -> N
             if len(have) < s.start:
                 raise RuntimeError(f"{request.request_id}: prompt logprobs skipped a position")
             have.extend(entries[len(have) - s.start :])
+
+
+def gather_pooled(sched: SchedulerOutput, pooled: dict[str, tuple]) -> None:
+    """Add each pooling request's chunk to what it has pooled. A chunk at position 0 starts
+    over: a preempted request computes its prompt again from the start (mean and first-row
+    pooling reuse no cached prefix, Request.num_reusable_tokens)."""
+    for s in sched.scheduled:
+        request = s.request
+        chunk = pooled.get(request.request_id)
+        if chunk is not None:
+            kind = request.sampling_params.pooling.type
+            total = None if s.start == 0 else request.pooled
+            request.pooled = add_pooled(total, chunk, kind)

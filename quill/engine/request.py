@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from quill.contract.outputs import RequestMetrics
+from quill.contract.pooling import PooledRows
 from quill.contract.sampling_params import SamplingParams
 
 
@@ -94,6 +95,8 @@ class Request:
     prompt_logprobs: list | None = None
     # Under a thinking budget: whether the thinking has ended (None: not known yet).
     thinking_ended: bool | None = None
+    # A pooling request's embedding so far (quill/contract/pooling.py): its chunks added up.
+    pooled: PooledRows | None = None
 
     def __post_init__(self) -> None:
         if self.times is None:
@@ -117,7 +120,11 @@ class Request:
     def num_reusable_tokens(self) -> int | None:
         """At most this many leading tokens may come from the prefix cache (None: any). A
         request scoring its prompt computes every position it has not scored yet: a cached
-        block holds keys and values, not the logits its positions give."""
+        block holds keys and values, not the logits its positions give; nor the hidden states
+        a mean or the first row pools (the last row is always computed)."""
+        pooling = self.sampling_params.pooling
+        if pooling is not None and pooling.type != "last":
+            return 0
         return None if self.prompt_scored else len(self.prompt_logprobs)
 
     @property

@@ -26,6 +26,7 @@ from quill.contract.messages import (
 )
 from quill.contract.outputs import RequestMetrics
 from quill.contract.plan import RemoteKV
+from quill.contract.pooling import finish_embedding
 from quill.engine.core import CoreOutput, EngineCore
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request
@@ -330,7 +331,15 @@ class EngineWorker:
             error=request.error if final else None,
             error_param=request.error_param if final else None,
             kv_lease=self._lease_of(request) if final else None,
+            embedding=self._embedding_of(request) if final else None,
         )
+
+    @staticmethod
+    def _embedding_of(request: Request) -> list[float] | None:
+        params = request.sampling_params.pooling
+        if params is None or request.pooled is None or request.finish_reason != "length":
+            return None
+        return finish_embedding(request.pooled, params)
 
     def _lease_of(self, request: Request) -> RemoteKV | None:
         """Where a decode instance fetches a leased request's prompt KV: this engine's KV

@@ -120,6 +120,8 @@ class OutputProcessor:
             update.error_param,
         )
         out.kv_transfer = update.kv_lease
+        if update.embedding is not None:
+            out.embedding = update.embedding
         return out
 
     @staticmethod

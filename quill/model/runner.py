@@ -22,6 +22,7 @@ import torch
 
 from quill.contract.kv_format import KVCacheFormat
 from quill.contract.plan import PromptLogprob, SeqPlan, StepPlan, StepResult
+from quill.contract.pooling import PooledRows
 from quill.model.attention import AttentionLayout, native_supported
 from quill.model.llama import LlamaForCausalLM
 from quill.model.prompt_logprobs import score_rows
@@ -41,6 +42,8 @@ class ForwardOutput:
     rows: list[SeqPlan]
     # Per sequence that scored prompt tokens: their logprobs, in order.
     prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
+    # Per pooling sequence: what its rows give (quill/contract/pooling.py).
+    pooled: dict[str, PooledRows] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -198,9 +201,12 @@ class ModelRunner:
         sampling: list[SeqPlan] = []
         chunks: list[SeqPlan] = []
         scoring: list[tuple[SeqPlan, int]] = []  # (sequence, its first row)
+        pooling: list[tuple[SeqPlan, int]] = []
         for s in seqs:
             if s.prompt_logprob_token_ids:
                 scoring.append((s, len(input_ids)))
+            if s.pooling is not None:
+                pooling.append((s, len(input_ids)))
             input_ids.extend(s.token_ids)
             if s.is_single_query:
                 single_positions.append(s.start)
@@ -229,10 +235,29 @@ class ModelRunner:
         if not self.computes_logits:
             return ForwardOutput(None, [])
         scored = self._score_prompts(hidden, scoring) if scoring else {}
+        pooled = self._pool(hidden, pooling) if pooling else {}
         if not sample_rows:
-            return ForwardOutput(None, [], scored)
+            return ForwardOutput(None, [], scored, pooled)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        return ForwardOutput(self.model.compute_logits(hidden[rows]), sampling, scored)
+        return ForwardOutput(self.model.compute_logits(hidden[rows]), sampling, scored, pooled)
+
+    def _pool(self, hidden: torch.Tensor, pooling: list[tuple[SeqPlan, int]]) -> dict:
+        """Each pooling sequence's rows after the model's final norm (its last_hidden_state),
+        in one pass: their fp32 sum and count for a mean, else the one row."""
+        rows: list[int] = []
+        for s, first in pooling:
+            if s.pooling == "mean":
+                rows.extend(range(first, first + s.num_tokens))
+            else:
+                rows.append(first if s.pooling == "cls" else first + s.num_tokens - 1)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        states = self.model.norm(hidden[index]).float()
+        pooled, i = {}, 0
+        for s, _ in pooling:
+            n = s.num_tokens if s.pooling == "mean" else 1
+            pooled[s.request_id] = (states[i : i + n].sum(0).tolist(), n)
+            i += n
+        return pooled
 
     def _score_prompts(
         self, hidden: torch.Tensor, scoring: list[tuple[SeqPlan, int]]
@@ -263,14 +288,14 @@ class ModelRunner:
     def sample(self, forward: ForwardOutput) -> StepResult:
         """Pick each sampling row's tokens from its logits and its sampling inputs."""
         if forward.logits is None:
-            return StepResult({}, {}, forward.prompt_logprobs)
+            return StepResult({}, {}, forward.prompt_logprobs, pooled=forward.pooled)
         rows = forward.rows
         if any(s.draft_token_ids for s in rows):
             tokens, token_logprobs = self.sampler.verify(forward.logits, rows)
             sampled = {s.request_id: t for s, t in zip(rows, tokens)}
             logprobs = {s.request_id: lp for s, lp in zip(rows, token_logprobs) if lp is not None}
-            return StepResult(sampled, logprobs, forward.prompt_logprobs)
+            return StepResult(sampled, logprobs, forward.prompt_logprobs, pooled=forward.pooled)
         result: SampleResult = self.sampler(forward.logits, rows)
         sampled = {s.request_id: [t] for s, t in zip(rows, result.token_ids)}
         logprobs = {s.request_id: [lp] for s, lp in zip(rows, result.logprobs) if lp is not None}
-        return StepResult(sampled, logprobs, forward.prompt_logprobs)
+        return StepResult(sampled, logprobs, forward.prompt_logprobs, pooled=forward.pooled)
