@@ -12,6 +12,7 @@ from quill.contract.pooling import PoolingParams
 from quill.contract.sampling_params import SamplingParams
 from quill.engine.llm_engine import LLMEngine
 from quill.frontend.chat import ChatFormat, prepare_chat
+from quill.frontend.pooling_config import PoolingConfig
 from quill.frontend.tools import read_tools
 
 Prompt = str | list[int] | dict
@@ -81,10 +82,12 @@ class LLM:
         pooling: PoolingParams | None = None,
         use_tqdm: bool = True,
     ) -> list[list[float]]:
-        """Each prompt's embedding: its final hidden states pooled (`pooling`; by default the
-        last token's, normalized), computed in one continuous batch with anything else the
-        engine runs; in input order."""
-        params = SamplingParams(max_tokens=0, pooling=pooling or PoolingParams())
+        """Each prompt's embedding: its final hidden states pooled (`pooling`; by default as
+        the model's sentence-transformers files say, else the last token's, normalized),
+        computed in one continuous batch with anything else the engine runs; in input order."""
+        if pooling is None:
+            pooling = PoolingConfig.read(self.engine.model_path).params(None, None)
+        params = SamplingParams(max_tokens=0, pooling=pooling)
         return [out.embedding for out in self.generate(prompts, params, use_tqdm)]
 
     def _run(self, index: dict[str, int], use_tqdm: bool = False) -> list[RequestOutput]:

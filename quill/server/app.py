@@ -20,6 +20,7 @@ from quill.server.completions import create_completion
 from quill.server.console.routes import install_console, login_page
 from quill.server.constraints import CONSTRAINT_FIELDS
 from quill.server.context import ServerContext
+from quill.server.embeddings import EmbeddingRequest, create_embedding
 from quill.server.errors import APIError, bad_request, from_validation_error, install_error_handlers
 from quill.server.fields import ignored_fields
 from quill.server.guard import ARRIVAL, RequestGuard
@@ -122,6 +123,12 @@ def build_app(ctx: ServerContext) -> FastAPI:
         req = await parse(request, ChatCompletionRequest)
         return _respond(await create_chat_completion(ctx, req, request, t))
 
+    @v1.post("/embeddings")
+    async def embeddings(request: Request) -> Response:
+        t = arrival(request)
+        req = await parse(request, EmbeddingRequest)
+        return _respond(await create_embedding(ctx, req, request, t))
+
     @app.post("/infill")
     async def infill(request: Request) -> Response:
         t = arrival(request)
@@ -208,6 +215,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
             "/v1/completions": CompletionRequest,
             "/v1/chat/completions": ChatCompletionRequest,
             "/v1/responses": ResponsesRequest,
+            "/v1/embeddings": EmbeddingRequest,
             "/v1/messages": MessagesRequest,
             "/v1/messages/count_tokens": CountTokensRequest,
             "/tokenize": TokenizeRequest,

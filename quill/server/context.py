@@ -9,6 +9,7 @@ from pathlib import Path
 
 from quill.frontend.chat import ChatFormat
 from quill.frontend.json_limits import JsonLimits
+from quill.frontend.pooling_config import PoolingConfig
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.engine_client import EngineClient
 from quill.server.errors import APIError
@@ -45,6 +46,8 @@ class ServerContext:
     console_figures: list[Path] = field(default_factory=list)
     # How the model's conversations are written and its replies read (tools, reasoning).
     chat_format: ChatFormat = field(default_factory=ChatFormat)
+    # How the model pools its embeddings by default (quill/frontend/pooling_config.py).
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

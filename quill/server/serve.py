@@ -25,6 +25,7 @@ from quill.distributed.ports import free_port
 from quill.engine_args import add_engine_arguments, engine_options, parse_bytes
 from quill.frontend.chat import REASONING_PARSERS, TOOL_PARSERS, ChatFormat
 from quill.frontend.json_limits import JsonLimits
+from quill.frontend.pooling_config import PoolingConfig
 from quill.server.app import build_app
 from quill.server.console.routes import DEFAULT_FIGURE_DIRS
 from quill.server.context import ServerContext
@@ -299,6 +300,7 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         console=args.console,
         console_figures=args.console_figures or list(DEFAULT_FIGURE_DIRS),
         chat_format=chat_format_of(args, engine.tokenizer),
+        pooling=PoolingConfig.read(info.model_path),
     )
     config = uvicorn.Config(
         build_app(ctx),
