@@ -7,6 +7,7 @@ request through the engine process's codec."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -110,3 +111,52 @@ def test_pooling_contract():
     codec = Codec()
     back = codec.decode(codec.encode(request))
     assert back.sampling_params.pooling == PoolingParams("cls", False, 8)
+
+
+@pytest.mark.parametrize("mode", ["pooling_mode_lasttoken", "pooling_mode_mean_tokens"])
+def test_a_sentence_transformers_directory_pools_as_it_says(tmp_path, mode):
+    """A Qwen3-Embedding-shaped directory (random weights, its pipeline in modules.json and
+    1_Pooling/config.json): quill's default pooling for it is the directory's own, and its
+    vectors are what sentence-transformers makes of the same directory."""
+    from tests.chat_fixtures import family_model
+
+    directory = family_model(tmp_path / "qwen3-embedding", "qwen3", "qwen3")
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]  # fmt: skip
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir()
+    width = json.loads((directory / "config.json").read_text())["hidden_size"]
+    pooling = {"word_embedding_dimension": width, "pooling_mode_mean_tokens": False, mode: True}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    texts = ["What is the capital of France?", "Paris is the capital of France. " * 5]
+    want = SentenceTransformer(str(directory), device="cpu",
+                               model_kwargs={"dtype": torch.float32}).encode(
+        texts, convert_to_tensor=True)  # fmt: skip
+    with LLM(str(directory), dtype="float32", kv_cache_dtype="float32", quantization="none",
+             kv_cache_memory=32 << 20, max_num_batched_tokens=16) as llm:  # fmt: skip
+        got = llm.embed(texts, use_tqdm=False)
+    assert min(_cosines(got, want)) >= 0.99999
+
+
+def test_a_tokenizer_that_pads_is_read_as_its_tokens(tmp_path):
+    """BERT-family tokenizer.json files pad and truncate every text to a fixed length."""
+    from tokenizers import Tokenizer as Backend
+
+    from quill.frontend.tokenizer import Tokenizer
+
+    source = default_model_dir()
+    backend = Backend.from_file(str(source / "tokenizer.json"))
+    backend.enable_padding(length=128)
+    backend.enable_truncation(max_length=128)
+    for name in ("tokenizer_config.json", "config.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    backend.save(str(tmp_path / "tokenizer.json"))
+    assert len(backend.encode("Hello world").ids) == 128
+    tok = Tokenizer.load(tmp_path)
+    assert tok.encode("Hello world") == Tokenizer.load(source).encode("Hello world")
+    assert len(tok.encode("word " * 300)) > 128

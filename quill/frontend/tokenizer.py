@@ -42,6 +42,11 @@ class Tokenizer:
     def __init__(self, hf_tokenizer, eos_token_ids: list[int] | None = None) -> None:
         self.hf = hf_tokenizer
         self.backend = hf_tokenizer.backend_tokenizer
+        # A tokenizer.json may pad and truncate every text to a fixed length (BERT-family
+        # embedding models ship one that does): a prompt is its own tokens, no more, no less;
+        # quill checks lengths against the context itself.
+        self.backend.no_padding()
+        self.backend.no_truncation()
         self.vocab_size = len(hf_tokenizer)
         self.eos_token_ids = self._end_ids(list(eos_token_ids or []))
 

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from quill.contract.errors import InvalidRequestError
 from quill.contract.sampling_params import SamplingParams
 from quill.server.context import ServerContext
-from quill.server.errors import renamed
+from quill.server.errors import APIError, renamed
 from quill.server.fields import INT64_MAX, Int64, Lenient, limits_of
 from quill.server.generation import Generation, unless_disconnected
 
@@ -102,6 +102,8 @@ async def create_embedding(
         await gen.submit(prompts, [params], {"priority": req.priority or 0})
     except InvalidRequestError as e:
         raise renamed(e, _PARAMS) from None
+    except APIError as e:
+        raise (renamed(e, _PARAMS) if e.status_code < 500 else e) from None
 
     async def collect() -> dict:
         async for _ in gen.outputs():

@@ -19,7 +19,7 @@ from schema_strategy import from_schema
 from server_helpers import engine_call, wait_until
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-          "/v1/messages/count_tokens", "/tokenize", "/detokenize"]  # fmt: skip
+          "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize"]  # fmt: skip
 _CAPPED = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")
 
 _json = st.recursive(
@@ -66,7 +66,7 @@ def bounded(body, path: str, model: str):
             body[name] = min(body[name], 4)
     # Chat would otherwise run to the end of the context (the Responses API names it its way).
     cap = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
-    if cap not in body and path != "/v1/messages/count_tokens":
+    if cap not in body and path not in ("/v1/messages/count_tokens", "/v1/embeddings"):
         body[cap] = 4
     if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
         body["n"] = min(body["n"], 2)

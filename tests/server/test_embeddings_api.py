@@ -1,0 +1,101 @@
+"""POST /v1/embeddings through the `openai` client unmodified (which asks for base64 and decodes
+it) and as LangChain sends it (token ids), against sentence-transformers on the same weights
+(the test server runs the default model in fp32; a model without sentence-transformers files
+pools its last token, normalized); float and base64 agree; usage counts the inputs' tokens; a
+batch of 32 inputs comes back in order; refusals name the field."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import openai
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules.transformer import Transformer
+from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+from quill.model.default_model import default_model_dir
+
+TEXTS = ["Hello there, how are you today?", "Embeddings for the search index.", "a"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    text = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+    module = Transformer(str(default_model_dir()), model_kwargs={"dtype": torch.float32},
+                         modality_config=text, module_output_name="token_embeddings")  # fmt: skip
+    pooling = Pooling(module.get_embedding_dimension(), pooling_mode="lasttoken")
+    model = SentenceTransformer(modules=[module, pooling, Normalize()], device="cpu")
+    return lambda texts: model.encode(texts, convert_to_numpy=True)
+
+
+def _cosine(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_the_openai_client_gets_the_reference_vectors(client, model_name, reference, http):
+    r = client.embeddings.create(model=model_name, input=TEXTS)
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == model_name
+    want = reference(TEXTS)
+    assert min(_cosine(d.embedding, w) for d, w in zip(r.data, want)) >= 0.99999
+    counted = sum(http.post("/tokenize", json={"prompt": t}).json()["count"] for t in TEXTS)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == counted
+    # Floats asked for by name, and base64 decoded by hand: the same values (to rounding: the
+    # second time the prefix cache holds all but each prompt's last token).
+    plain = http.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": "float"})
+    coded = http.post("/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"})
+    assert plain.status_code == coded.status_code == 200
+    for d, p, c in zip(r.data, plain.json()["data"], coded.json()["data"]):
+        vector = np.frombuffer(base64.b64decode(c["embedding"]), "<f4")
+        assert vector.dtype == np.float32 and len(vector) == len(p["embedding"])
+        assert np.allclose(vector, p["embedding"], atol=1e-5)
+        assert np.allclose(d.embedding, p["embedding"], atol=1e-5)
+
+
+def test_token_ids_as_langchain_sends_them(client, model_name, http):
+    ids = [http.post("/tokenize", json={"prompt": t}).json()["tokens"] for t in TEXTS]
+    by_ids = client.embeddings.create(model=model_name, input=ids)
+    by_text = client.embeddings.create(model=model_name, input=TEXTS)
+    for a, b in zip(by_ids.data, by_text.data):
+        assert np.allclose(a.embedding, b.embedding, atol=1e-5)
+    one = client.embeddings.create(model=model_name, input=ids[0])
+    assert len(one.data) == 1
+    assert np.allclose(one.data[0].embedding, by_ids.data[0].embedding, atol=1e-5)
+
+
+def test_a_batch_comes_back_in_order(client, model_name, http):
+    texts = [f"document number {i} about topic {i % 7}" for i in range(32)]
+    batch = client.embeddings.create(model=model_name, input=texts)
+    assert [d.index for d in batch.data] == list(range(32))
+    # Each input is a sequence: past --max-seqs-per-request (32 here) the batch is refused.
+    r = http.post("/v1/embeddings", json={"input": texts + ["one more"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    for i in (0, 17, 31):
+        alone = client.embeddings.create(model=model_name, input=texts[i]).data[0].embedding
+        assert _cosine(alone, batch.data[i].embedding) >= 0.99999
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "x", "dimensions": 8}, "dimensions"),  # not a Matryoshka model
+        ({"input": [[10**9]]}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": 3}, "input"),
+    ],
+)
+def test_refusals_name_the_field(http, body, param):
+    r = http.post("/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_an_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="text-embedding-3-small", input="x")
