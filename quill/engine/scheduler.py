@@ -99,10 +99,27 @@ class Scheduler:
         self.spec_switch = spec_switch
         k = speculative.num_speculative_tokens if speculative is not None else 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * k)
+        # An encoder's (no causal attention): each prompt is computed whole, in one step, and
+        # only pooled (set by the engine worker).
+        self.whole_prompts = False
 
     # -- requests in and out -------------------------------------------------------------
     def check_request(self, request: Request) -> None:
         """Raise InvalidRequestError if the request can never be served here."""
+        if self.whole_prompts:
+            if request.sampling_params.pooling is None:
+                raise InvalidRequestError(
+                    "this model is an encoder: it computes embeddings (/v1/embeddings), it "
+                    "does not generate",
+                    param="model",
+                )
+            if request.num_prompt_tokens > self.token_budget:
+                raise InvalidRequestError(
+                    f"prompt of {request.num_prompt_tokens} tokens is longer than the step's "
+                    f"token budget ({self.token_budget}, --max-num-batched-tokens): an encoder "
+                    "takes each prompt in one pass",
+                    param="prompt",
+                )
         num_tokens = request.num_prompt_tokens + 1
         needed = self.kv.peak_blocks(num_tokens, min(num_tokens, self.token_budget))
         if needed > self.kv.num_blocks:
@@ -253,6 +270,8 @@ class Scheduler:
             else:
                 computed += num_cached
             n = min(request.num_tokens - computed, budget)
+            if self.whole_prompts and n < request.num_tokens - computed:
+                break  # the next step takes it whole
             if not kv.allocate_slots(request, computed + n, cached):
                 if self.running or self.fetching or remote is not None:
                     break  # blocks come back as they finish (a fetch needs its whole prompt's)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from quill.config import EngineConfig
@@ -60,10 +61,15 @@ class EngineWorker:
         """The engine core and its observers around a built executor."""
         self.built = built
         self.runner = built.runner
+        encoder = not built.model_config.causal
+        if encoder and (config.cost_accounting or config.predict_ttft):
+            # The cost model prices causal decoders' steps; an encoder's are not priced yet.
+            config = replace(config, cost_accounting=False, predict_ttft=False)
+            self.config = config
         kv = KVCacheManager(
             built.num_blocks,
             config.block_size,
-            config.enable_prefix_caching,
+            config.enable_prefix_caching and not encoder,  # an encoder's blocks hold nothing
             built.model_config.kv_groups.group_windows,
         )
         # The observers, each left out when off so that a step pays nothing for it.
@@ -93,6 +99,7 @@ class EngineWorker:
             speculative,
             switch,
         )
+        scheduler.whole_prompts = encoder
         if config.record_steps:
             from quill.engine.record import StepRecorder
 
@@ -107,11 +114,11 @@ class EngineWorker:
             listeners,
             admission,
             recompute_failed_fetches=config.kv_transfer_failure == "recompute",
-            structured=_reply_matchers(built),
+            structured=None if encoder else _reply_matchers(built),  # an encoder writes no text
         )
         log.info(
             "prefix caching: %s; scheduling policy: %s; TTFT prediction: %s; cost accounting: %s%s",
-            "on" if config.enable_prefix_caching else "off",
+            "on" if config.enable_prefix_caching and not encoder else "off",
             config.scheduling_policy,
             "on" if config.predict_ttft else "off",
             "on" if config.cost_accounting else "off",
@@ -119,7 +126,7 @@ class EngineWorker:
         )
         self.clock = self.core.clock
         self.kv_server = None
-        if config.tensor_parallel_size == 1:  # disaggregation runs on single-rank engines
+        if config.tensor_parallel_size == 1 and not encoder:  # disaggregation: single-rank decoders
             from quill.disagg.fetch import KVFetcher
 
             name = built.model_path.name

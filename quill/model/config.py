@@ -30,6 +30,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qk_norm=True, window_opt_in=True),
     "Phi3ForCausalLM": Architecture(),  # q/k/v and gate/up fused in the checkpoint
     "Gemma3ForCausalLM": Architecture("gemma3", qk_norm=True),
+    # Encoders (embedding models: all-MiniLM-L6-v2 and the other sentence-transformers BERTs).
+    "BertModel": Architecture("bert", qkv_bias=True),
 }
 
 
@@ -75,6 +77,10 @@ class ModelConfig:
     layer_windows: tuple[int, ...] | None = None
     local_rope_theta: float | None = None
     query_pre_attn_scalar: float | None = None
+    # Encoders: every token sees every other (no KV cache: a prompt is one pass), and BERT's
+    # token types (segment A / B) embedded beside the positions.
+    causal: bool = True
+    type_vocab_size: int = 0
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -89,6 +95,8 @@ class ModelConfig:
         _refuse_what_is_not_modelled(arch, d)
         if traits.family == "gemma3":
             d = _gemma3(d)
+        if traits.family == "bert":
+            d = _bert(d)
         num_heads = d["num_attention_heads"]
         eos_ids = as_id_list(d.get("eos_token_id"))
         rope_scaling = d.get("rope_scaling") or None
@@ -121,6 +129,8 @@ class ModelConfig:
             layer_windows=d.get("_layer_windows"),
             local_rope_theta=d.get("_local_rope_theta"),
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+            causal=traits.family != "bert",
+            type_vocab_size=d.get("type_vocab_size", 0),
         )
 
     @property
@@ -146,6 +156,18 @@ def _refuse_what_is_not_modelled(arch: str, d: dict) -> None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in (None, "default", "linear", "llama3", "freq_factors"):
         raise ModelLoadError(f"{arch}: rope_scaling of type {kind!r} is not supported")
+
+
+def _bert(d: dict) -> dict:
+    """BERT's fields read into the config's (its LayerNorm epsilon where RMSNorm's goes; no
+    output head), and what quill refuses (relative positions, other activations)."""
+    kind = d.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ModelLoadError(f"BertModel: position_embedding_type {kind!r} is not supported")
+    if d.get("hidden_act", "gelu") != "gelu":
+        raise ModelLoadError(f"BertModel: hidden_act {d['hidden_act']!r} is not supported")
+    return {**d, "rms_norm_eps": d.get("layer_norm_eps", 1e-12), "tie_word_embeddings": True,
+            "eos_token_id": None}  # fmt: skip
 
 
 def _gemma3(d: dict) -> dict:

@@ -6,6 +6,7 @@ to decide (device, dtype, free memory, the model's KV bytes per block) is settle
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -70,7 +71,12 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
     if tp is not None:
         tp.shard(loaded.model)
         blocks = {}  # each rank quantizes its own slices from the floats
-    _quantize(loaded.model, config.quantization, device, blocks, plan, loaded.unloaded)
+    encoder = not loaded.config.causal
+    if encoder:  # small models whose products are few: kept in their floats
+        log.info("weights: %s, an encoder kept in its floats (quantization %r not applied)",
+                 dtype, config.quantization)  # fmt: skip
+    else:
+        _quantize(loaded.model, config.quantization, device, blocks, plan, loaded.unloaded)
     if loaded.mapped:  # the files' pages of weights quantized without a float copy go
         from quill.model.loader import release_unused
 
@@ -83,7 +89,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
     if tp is None or tp.is_driver:
         declared_ends = loaded.config.eos_token_ids + generation_config_eos_ids(loaded.source)
         tokenizer = Tokenizer.load(tok_source, declared_ends)
-    ctx = loaded.config.max_position_embeddings
+    ctx = _longest_input(loaded.config, loaded.source)
     max_model_len = min(config.max_model_len or ctx, ctx)
     budget = config.max_num_batched_tokens or (512 if device.type == "cpu" else 8192)
     kv_format = resolve_kv_cache_dtype(
@@ -101,11 +107,14 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         kv_format,
     )
     default_kv = plan.kv_budget() if plan is not None and device.type == "cpu" else None
-    num_blocks = _num_kv_blocks(config, runner, device, max_model_len, budget, tp, default_kv)
-    if config.max_model_len is None and config.kv_cache_memory is None:
+    if encoder:  # no KV: the blocks only count what the scheduler admits
+        num_blocks = config.max_num_seqs * -(-max_model_len // config.block_size)
+    else:
+        num_blocks = _num_kv_blocks(config, runner, device, max_model_len, budget, tp, default_kv)
+    if config.max_model_len is None and config.kv_cache_memory is None and not encoder:
         max_model_len = _clamp_context(config, runner, num_blocks, max_model_len, budget)
     runner.allocate_kv_cache(num_blocks)
-    if config.compile:
+    if config.compile and not encoder:
         from quill.model.compile import compile_runner
 
         compile_runner(runner, budget)
@@ -124,6 +133,18 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         budget,
         num_blocks,
     )
+
+
+def _longest_input(model_config: ModelConfig, source: Path) -> int:
+    """The model's context: its positions, or for a sentence-transformers model the length it
+    was trained to embed (`max_seq_length`; sentence-transformers cuts longer texts there,
+    quill refuses them unless truncate_prompt_tokens asks)."""
+    ctx = model_config.max_position_embeddings
+    try:
+        st = json.loads((source / "sentence_bert_config.json").read_text())
+    except (OSError, ValueError):
+        return ctx
+    return min(ctx, int(st.get("max_seq_length") or ctx))
 
 
 def model_path_of(config: EngineConfig) -> Path:
@@ -350,6 +371,8 @@ def _blocks_for(
 def _log_pool(
     config: EngineConfig, runner: ModelRunner, num_blocks: int, dtype, max_model_len: int, budget
 ) -> None:
+    if runner.encoder:
+        return  # no KV cache (the runner said so)
     groups = runner.kv_groups
     log.info(
         "KV cache: %d blocks of %d tokens x %d layers (%.2f GiB, %s; %d KV groups, windows %s): "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from quill.model import gemma3, llama, qwen3_moe
+from quill.model import bert, gemma3, llama, qwen3_moe
 from quill.model.config import ModelConfig
 
 
@@ -23,6 +23,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(llama.LlamaForCausalLM, llama.weight_target),
     "qwen3_moe": Family(qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.weight_target),
     "gemma3": Family(gemma3.Gemma3ForCausalLM, gemma3.weight_target),
+    "bert": Family(bert.BertModel, bert.weight_target),
 }
 
 

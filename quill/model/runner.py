@@ -61,6 +61,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.config = model.config
+        # An encoder (quill/model/bert.py) keeps no KV cache: each prompt is one whole pass.
+        self.encoder = getattr(model, "is_encoder", False)
         if device.type == "cpu":
             # Denormal floats take a slow path on x86 (a 512-token prefill ran 4x slower).
             torch.set_flush_denormal(True)
@@ -111,6 +113,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         c = self.config
+        if self.encoder:  # the blocks only count what the scheduler admits
+            self.scratch_block = num_blocks
+            log.info("attention: bidirectional within each prompt, no KV cache (an encoder)")
+            return
         k_shape, v_shape = self.kv_shapes(num_blocks + 1)
         # Zeroed: masked-out keys still meet the values in P @ V, and 0 * NaN would poison it.
         # On huge pages: the blocks a step reads are scattered over the whole pool.
@@ -193,6 +199,8 @@ class ModelRunner:
         """Run the model over the plan's tokens; the logits of the rows that sample."""
         for request_id in plan.finished_request_ids:
             self.sampler.free(request_id)
+        if self.encoder:
+            return self._encode(plan)
         # One-query rows first, then longer chunks: attention takes each group as a slice.
         seqs = sorted(plan.seqs, key=lambda s: not s.is_single_query)
         input_ids: list[int] = []
@@ -240,6 +248,23 @@ class ModelRunner:
             return ForwardOutput(None, [], scored, pooled)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return ForwardOutput(self.model.compute_logits(hidden[rows]), sampling, scored, pooled)
+
+    def _encode(self, plan: StepPlan) -> ForwardOutput:
+        """An encoder's step: each sequence a whole prompt (the scheduler never cuts one),
+        pooled; nothing samples."""
+        ids: list[int] = []
+        positions: list[int] = []
+        pooling: list[tuple[SeqPlan, int]] = []
+        for s in plan.seqs:
+            if s.pooling is not None:
+                pooling.append((s, len(ids)))
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.start + s.num_tokens))
+        dev = self.device
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev),
+                            [s.num_tokens for s in plan.seqs])  # fmt: skip
+        return ForwardOutput(None, [], {}, self._pool(hidden, pooling) if pooling else {})
 
     def _pool(self, hidden: torch.Tensor, pooling: list[tuple[SeqPlan, int]]) -> dict:
         """Each pooling sequence's rows after the model's final norm (its last_hidden_state),

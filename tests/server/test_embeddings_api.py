@@ -99,3 +99,27 @@ def test_refusals_name_the_field(http, body, param):
 def test_an_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="text-embedding-3-small", input="x")
+
+
+@pytest.fixture(scope="module")
+def minilm_server():
+    from conftest import SERVER_ARGS, running_server
+
+    from quill.model.named_models import named_model_path
+
+    path = named_model_path("all-minilm-l6-v2")
+    with running_server(["all-minilm-l6-v2", *SERVER_ARGS]) as srv:
+        yield srv, path
+
+
+def test_an_embedding_model_served_by_name(minilm_server):
+    """`quill serve all-minilm-l6-v2`: the encoder's mean-pooled, normalized vectors (as its
+    sentence-transformers files say) through the openai client; generation refused."""
+    srv, path = minilm_server
+    client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="test-key", max_retries=0)
+    r = client.embeddings.create(model="all-minilm-l6-v2", input=TEXTS)
+    want = SentenceTransformer(str(path), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    assert min(_cosine(d.embedding, w) for d, w in zip(r.data, want)) >= 0.99999
+    assert len(r.data[0].embedding) == 384
+    with pytest.raises(openai.BadRequestError, match="encoder"):
+        client.completions.create(model="all-minilm-l6-v2", prompt="Hello", max_tokens=2)
