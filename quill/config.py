@@ -108,11 +108,25 @@ class SchedulingPolicy(StrEnum):
     PRIORITY = "priority"  # lower `priority` first (vLLM's --scheduling-policy priority)
 
 
+TASKS = ("auto", "generate", "embed", "score")
+
+
+def resolve_task(task: str, encoder: bool) -> str:
+    """What `auto` means for a model: embed for an encoder, generate otherwise (an encoder
+    only embeds, and scores pairs by its embeddings)."""
+    if encoder:
+        return "embed"
+    return "generate" if task == "auto" else task
+
+
 @dataclass
 class EngineConfig:
     """Options of one engine instance; `LLM(**options)` and `quill serve` fill it."""
 
     model: str | None = None
+    # What the model is served for: generate, embed, or score (a decoder reranker's yes / no);
+    # auto: embed for an encoder, generate otherwise (embeddings are served either way).
+    task: str = "auto"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
@@ -173,6 +187,8 @@ class EngineConfig:
         return SpeculativeConfig.parse(self.speculative_config)
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.max_num_seqs <= 0:

@@ -10,10 +10,17 @@ import argparse
 import os
 
 from quill.argtypes import checked, positive, rate
-from quill.config import QUANTIZATIONS, SchedulingPolicy
+from quill.config import QUANTIZATIONS, TASKS, SchedulingPolicy
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="auto",
+        help="what the model is served for: generate, embed, or score (a decoder reranker such "
+        "as Qwen3-Reranker: its yes / no logits); auto: embed for an encoder, else generate",
+    )
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
@@ -168,6 +175,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(
+        task=args.task,
         dtype=args.dtype,
         device=args.device,
         load_format=args.load_format,

@@ -13,6 +13,7 @@ from quill.contract.sampling_params import SamplingParams
 from quill.engine.llm_engine import LLMEngine
 from quill.frontend.chat import ChatFormat, prepare_chat
 from quill.frontend.pooling_config import PoolingConfig
+from quill.frontend.scoring import scorer_for
 from quill.frontend.tools import read_tools
 
 Prompt = str | list[int] | dict
@@ -89,6 +90,27 @@ class LLM:
             pooling = PoolingConfig.read(self.engine.model_path).params(None, None)
         params = SamplingParams(max_tokens=0, pooling=pooling)
         return [out.embedding for out in self.generate(prompts, params, use_tqdm)]
+
+    def score(
+        self,
+        query: str,
+        documents: Sequence[str],
+        instruction: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[float]:
+        """Each document's relevance to `query`: a reranker's P(yes) (`task="score"`), or the
+        cosine of an embedding model's vectors (quill/frontend/scoring.py)."""
+        pooling = PoolingConfig.read(self.engine.model_path)
+        scorer = scorer_for(self.engine.worker.info.task, self.tokenizer, pooling)
+        if scorer is None:
+            raise InvalidRequestError("this model scores nothing: load an embedding model, or "
+                                      'a reranker with task="score"', "model")  # fmt: skip
+        pairs = [(query, d) for d in documents]
+        texts = scorer.texts(pairs, instruction)
+        prompts = [scorer.encode(self.tokenizer, t) for t in texts]
+        params = SamplingParams(max_tokens=0, pooling=scorer.pooling)
+        pooled = [o.embedding for o in self.generate(prompts, params, use_tqdm)]
+        return scorer.scores(pairs, texts, pooled)
 
     def _run(self, index: dict[str, int], use_tqdm: bool = False) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(index)

@@ -223,6 +223,7 @@ class EngineInfo:
     pid: int = 0
     hardware_name: str | None = None  # the spec the cost model prices steps on, if any
     price_per_hour: float | None = None  # USD, when requests are priced
+    task: str = "generate"  # generate, embed or score (quill.config.resolve_task)
 
 
 @dataclass

@@ -80,6 +80,7 @@ class SeqPlan:
     # Pooling (quill/contract/pooling.py): what this chunk's rows give the request's
     # embedding ("mean", "cls", "last"); None: nothing.
     pooling: str | None = None
+    pool_logit_ids: list[int] | None = None  # the pooled row's logits of these, not its state
 
     @property
     def num_tokens(self) -> int:

@@ -31,8 +31,14 @@ class PoolingParams:
     type: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    # A decoder reranker's: the pooled row's logits of these tokens (its "yes" and "no")
+    # instead of its hidden state.
+    logit_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.logit_ids is not None and (self.type != "last" or self.normalize):
+            raise InvalidRequestError("logit_ids pool the last row's logits, not normalized",
+                                      "pooling")  # fmt: skip
         if self.type not in POOLING_TYPES:
             raise InvalidRequestError(
                 f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.type!r}", "pooling"

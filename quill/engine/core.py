@@ -457,6 +457,7 @@ class EngineCore:
                     prompt_logprob_token_ids=scored,
                     prompt_logprobs=request.sampling_params.prompt_logprobs if scored else 0,
                     pooling=_pooling(request, start, s.num_tokens),
+                    pool_logit_ids=_logit_ids(request),
                 )
             )
         fetches = []
@@ -482,3 +483,8 @@ def _pooling(request: Request, start: int, num_tokens: int) -> str | None:
     if kind == "last" and start + num_tokens == len(request.prompt_token_ids):
         return kind
     return None
+
+
+def _logit_ids(request: Request) -> list[int] | None:
+    pooling = request.sampling_params.pooling
+    return None if pooling is None or pooling.logit_ids is None else list(pooling.logit_ids)

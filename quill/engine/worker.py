@@ -13,7 +13,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from quill.config import EngineConfig
+from quill.config import EngineConfig, resolve_task
 from quill.contract.errors import ModelLoadError
 from quill.contract.messages import (
     EngineInfo,
@@ -158,6 +158,7 @@ class EngineWorker:
             max_model_len=built.max_model_len,
             num_kv_tokens=built.num_blocks * config.block_size,
             pid=os.getpid(),
+            task=resolve_task(config.task, encoder),
         )
         accountant = self.accountant
         if accountant is not None and accountant.cost_model is not None:

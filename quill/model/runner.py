@@ -280,7 +280,12 @@ class ModelRunner:
         pooled, i = {}, 0
         for s, _ in pooling:
             n = s.num_tokens if s.pooling == "mean" else 1
-            pooled[s.request_id] = (states[i : i + n].sum(0).tolist(), n)
+            if s.pool_logit_ids is not None:  # a reranker's yes / no: the head, on one row
+                logits = self.model.compute_logits(hidden[index[i : i + 1]])[0]
+                ids = torch.tensor(s.pool_logit_ids, dtype=torch.long, device=self.device)
+                pooled[s.request_id] = (logits[ids].float().tolist(), 1)
+            else:
+                pooled[s.request_id] = (states[i : i + n].sum(0).tolist(), n)
             i += n
         return pooled
 

@@ -37,6 +37,7 @@ from quill.server.protocol import (
 from quill.server.responses.protocol import ResponsesRequest
 from quill.server.responses.routes import install_responses
 from quill.server.responses.store import ResponseStore
+from quill.server.scoring import RerankRequest, ScoreRequest, create_rerank, create_score
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,21 @@ def build_app(ctx: ServerContext) -> FastAPI:
         req = await parse(request, EmbeddingRequest)
         return _respond(await create_embedding(ctx, req, request, t))
 
+    async def rerank(request: Request) -> Response:
+        t = arrival(request)
+        req = await parse(request, RerankRequest)
+        return _respond(await create_rerank(ctx, req, request, t))
+
+    async def score(request: Request) -> Response:
+        t = arrival(request)
+        req = await parse(request, ScoreRequest)
+        return _respond(await create_score(ctx, req, request, t))
+
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # Jina's, Cohere's and bare
+        app.add_api_route(path, rerank, methods=["POST"])
+    for path in ("/v1/score", "/score"):
+        app.add_api_route(path, score, methods=["POST"])
+
     @app.post("/infill")
     async def infill(request: Request) -> Response:
         t = arrival(request)
@@ -216,6 +232,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
             "/v1/chat/completions": ChatCompletionRequest,
             "/v1/responses": ResponsesRequest,
             "/v1/embeddings": EmbeddingRequest,
+            "/v1/rerank": RerankRequest,
+            "/v1/score": ScoreRequest,
             "/v1/messages": MessagesRequest,
             "/v1/messages/count_tokens": CountTokensRequest,
             "/tokenize": TokenizeRequest,

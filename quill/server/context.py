@@ -10,6 +10,7 @@ from pathlib import Path
 from quill.frontend.chat import ChatFormat
 from quill.frontend.json_limits import JsonLimits
 from quill.frontend.pooling_config import PoolingConfig
+from quill.frontend.scoring import Scorer
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.engine_client import EngineClient
 from quill.server.errors import APIError
@@ -48,6 +49,8 @@ class ServerContext:
     chat_format: ChatFormat = field(default_factory=ChatFormat)
     # How the model pools its embeddings by default (quill/frontend/pooling_config.py).
     pooling: PoolingConfig = field(default_factory=PoolingConfig)
+    # How pairs are scored for /v1/rerank and /v1/score (None: this model scores nothing).
+    scorer: Scorer | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

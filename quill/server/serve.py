@@ -26,6 +26,7 @@ from quill.engine_args import add_engine_arguments, engine_options, parse_bytes
 from quill.frontend.chat import REASONING_PARSERS, TOOL_PARSERS, ChatFormat
 from quill.frontend.json_limits import JsonLimits
 from quill.frontend.pooling_config import PoolingConfig
+from quill.frontend.scoring import scorer_for
 from quill.server.app import build_app
 from quill.server.console.routes import DEFAULT_FIGURE_DIRS
 from quill.server.context import ServerContext
@@ -300,7 +301,8 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         console=args.console,
         console_figures=args.console_figures or list(DEFAULT_FIGURE_DIRS),
         chat_format=chat_format_of(args, engine.tokenizer),
-        pooling=PoolingConfig.read(info.model_path),
+        pooling=(pooling := PoolingConfig.read(info.model_path)),
+        scorer=scorer_for(info.task, engine.tokenizer, pooling),
     )
     config = uvicorn.Config(
         build_app(ctx),

@@ -2,12 +2,16 @@
 it) and as LangChain sends it (token ids), against sentence-transformers on the same weights
 (the test server runs the default model in fp32; a model without sentence-transformers files
 pools its last token, normalized); float and base64 agree; usage counts the inputs' tokens; a
-batch of 32 inputs comes back in order; refusals name the field."""
+batch of 32 inputs comes back in order; refusals name the field. Then all-MiniLM-L6-v2 served
+by name (`quill serve all-minilm-l6-v2`): its embeddings, rerank in Jina's / Cohere's shape
+(/v1/rerank, /rerank, /v2/rerank) and vLLM's /v1/score by the cosine of its vectors; and a
+decoder reranker served with `--task score`."""
 
 from __future__ import annotations
 
 import base64
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -16,6 +20,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules.transformer import Transformer
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 
+from quill import LLM
 from quill.model.default_model import default_model_dir
 
 TEXTS = ["Hello there, how are you today?", "Embeddings for the search index.", "a"]
@@ -123,3 +128,67 @@ def test_an_embedding_model_served_by_name(minilm_server):
     assert len(r.data[0].embedding) == 384
     with pytest.raises(openai.BadRequestError, match="encoder"):
         client.completions.create(model="all-minilm-l6-v2", prompt="Hello", max_tokens=2)
+
+
+def test_rerank_and_score_by_an_embedding_model(minilm_server):
+    """Jina's / Cohere's rerank shape and vLLM's score pairs, on all-MiniLM-L6-v2 (cosine)."""
+    srv, path = minilm_server
+    headers = {"Authorization": "Bearer test-key"}
+    query = "What is the capital of France?"
+    docs = ["Bananas are yellow.", "Paris is the capital of France.", "I like trains."]
+    st = SentenceTransformer(str(path), device="cpu")
+    q, *d = st.encode([query, *docs], convert_to_numpy=True)
+    want = [_cosine(q, v) for v in d]
+    with httpx.Client(base_url=srv.base_url, headers=headers, timeout=60) as http:
+        for path_ in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            body = {"query": query, "documents": [docs[0], {"text": docs[1]}, docs[2]],
+                    "top_n": 2}  # fmt: skip
+            r = http.post(path_, json=body)
+            assert r.status_code == 200, r.text
+            results = r.json()["results"]
+            assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -want[i])[:2]
+            for x in results:
+                assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+                assert x["document"]["text"] == docs[x["index"]]
+        bare = http.post("/v1/rerank", json={"query": query, "documents": docs,
+                                             "return_documents": False}).json()  # fmt: skip
+        assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
+        assert bare["usage"]["total_tokens"] > 0
+        score = http.post("/v1/score", json={"text_1": query, "text_2": docs}).json()
+        assert [x["score"] for x in score["data"]] == pytest.approx(want, abs=1e-5)
+        pairwise = http.post("/score", json={"text_1": [query, docs[0]],
+                                             "text_2": [docs[1], docs[0]]}).json()  # fmt: skip
+        assert pairwise["data"][1]["score"] == pytest.approx(1.0, abs=1e-5)
+        refusals = [({"query": query, "documents": []}, "documents"),
+                    ({"query": "", "documents": docs}, "query"),
+                    ({"query": query, "documents": docs, "top_n": 0}, "top_n")]  # fmt: skip
+        for body, param in refusals:
+            r = http.post("/v1/rerank", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = http.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["c"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text_2"
+
+
+def test_a_generating_model_scores_nothing(http):
+    r = http.post("/v1/rerank", json={"query": "q", "documents": ["d"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_a_decoder_reranker_served_with_task_score(tmp_path_factory):
+    from conftest import SERVER_ARGS, running_server
+
+    from tests.chat_fixtures import family_model
+
+    directory = family_model(tmp_path_factory.mktemp("reranker"), "qwen3", "qwen3")
+    docs = ["Paris is the capital of France.", "Bananas are yellow."]
+    with LLM(str(directory), task="score", dtype="float32", kv_cache_dtype="float32",
+             quantization="none", kv_cache_memory=32 << 20) as llm:  # fmt: skip
+        want = llm.score("capital of France?", docs, use_tqdm=False)
+    args = [str(directory), *SERVER_ARGS, "--task", "score", "--kv-cache-memory", "32MiB"]
+    with running_server(args) as srv:
+        with httpx.Client(base_url=srv.base_url, headers={"Authorization": "Bearer test-key"},
+                          timeout=60) as http:  # fmt: skip
+            r = http.post("/v1/rerank", json={"query": "capital of France?", "documents": docs})
+            assert r.status_code == 200, r.text
+            got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    assert [got[0], got[1]] == pytest.approx(want, abs=1e-5)
