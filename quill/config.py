@@ -111,11 +111,11 @@ class SchedulingPolicy(StrEnum):
 TASKS = ("auto", "generate", "embed", "score")
 
 
-def resolve_task(task: str, encoder: bool) -> str:
-    """What `auto` means for a model: embed for an encoder, generate otherwise (an encoder
-    only embeds, and scores pairs by its embeddings)."""
+def resolve_task(task: str, encoder: bool, classifier: bool = False) -> str:
+    """What `auto` means for a model: for an encoder, score with a classification head (a
+    cross-encoder), else embed; generate otherwise. An encoder cannot generate."""
     if encoder:
-        return "embed"
+        return "score" if classifier else "embed"
     return "generate" if task == "auto" else task
 
 

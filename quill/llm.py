@@ -100,17 +100,17 @@ class LLM:
     ) -> list[float]:
         """Each document's relevance to `query`: a reranker's P(yes) (`task="score"`), or the
         cosine of an embedding model's vectors (quill/frontend/scoring.py)."""
+        info = self.engine.worker.info
         pooling = PoolingConfig.read(self.engine.model_path)
-        scorer = scorer_for(self.engine.worker.info.task, self.tokenizer, pooling)
+        scorer = scorer_for(info.task, self.tokenizer, pooling, info.cross_encoder)
         if scorer is None:
             raise InvalidRequestError("this model scores nothing: load an embedding model, or "
                                       'a reranker with task="score"', "model")  # fmt: skip
         pairs = [(query, d) for d in documents]
-        texts = scorer.texts(pairs, instruction)
-        prompts = [scorer.encode(self.tokenizer, t) for t in texts]
-        params = SamplingParams(max_tokens=0, pooling=scorer.pooling)
-        pooled = [o.embedding for o in self.generate(prompts, params, use_tqdm)]
-        return scorer.scores(pairs, texts, pooled)
+        inputs = scorer.inputs(self.tokenizer, pairs, instruction)
+        params = [SamplingParams(max_tokens=0, pooling=p) for _, p in inputs]
+        outs = self.generate([ids for ids, _ in inputs], params, use_tqdm)
+        return scorer.scores(pairs, [o.embedding for o in outs])
 
     def _run(self, index: dict[str, int], use_tqdm: bool = False) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(index)

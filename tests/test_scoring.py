@@ -28,16 +28,16 @@ def test_a_decoder_reranker_scores_by_yes_against_no(tmp_path):
         got = llm.score(QUERY, DOCS, use_tqdm=False)
         custom = llm.score(QUERY, DOCS[:1], instruction="Judge relevance.", use_tqdm=False)
         tok = llm.tokenizer
-        scorer = Scorer.for_model("score", tok, None)
+        scorer = Scorer.for_model("yes_no", tok, None)
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
     yes, no = scorer.yes_no
     cases = [([(QUERY, d) for d in DOCS], got, None),
              ([(QUERY, DOCS[0])], custom, "Judge relevance.")]  # fmt: skip
     for pairs, scores, instruction in cases:
-        for text, score in zip(scorer.texts(pairs, instruction), scores):
-            assert "<Instruct>: " + (instruction or "Given a web search") in text
+        for (ids, _), score in zip(scorer.inputs(tok, pairs, instruction), scores):
+            assert "<Instruct>: " + (instruction or "Given a web search") in tok.decode(ids)
             with torch.inference_mode():
-                logits = model(torch.tensor([tok.encode(text, False)])).logits[0, -1]
+                logits = model(torch.tensor([ids])).logits[0, -1]
             want = torch.softmax(torch.stack([logits[yes], logits[no]]), 0)[0].item()
             assert score == pytest.approx(want, abs=1e-5)
 
@@ -57,3 +57,29 @@ def test_a_generating_model_scores_nothing():
     with LLM(dtype="float32", kv_cache_memory=32 << 20) as llm:
         with pytest.raises(InvalidRequestError, match="scores nothing"):
             llm.score(QUERY, DOCS, use_tqdm=False)
+
+
+def test_a_cross_encoder_scores_both_texts_at_once(tmp_path):
+    """A BertForSequenceClassification reranker (random weights of a small shape, MiniLM's
+    tokenizer): sentence-transformers' CrossEncoder on the same directory, and transformers'
+    logits through a sigmoid, give quill's scores."""
+    import shutil
+
+    from sentence_transformers import CrossEncoder
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=128, num_labels=1,
+                        initializer_range=0.2)  # fmt: skip
+    directory = tmp_path / "cross-encoder"
+    BertForSequenceClassification(config).eval().save_pretrained(directory)
+    minilm = named_model_path("all-minilm-l6-v2")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm / name, directory / name)
+    with LLM(str(directory), dtype="float32") as llm:
+        assert llm.engine.worker.info.task == "score"
+        got = llm.score(QUERY, DOCS, use_tqdm=False)
+    want = CrossEncoder(str(directory), device="cpu").predict([(QUERY, d) for d in DOCS])
+    assert got == pytest.approx([float(w) for w in want], abs=1e-5)
+    assert max(got) - min(got) > 1e-4  # the documents score apart: the second text counts

@@ -224,6 +224,7 @@ class EngineInfo:
     hardware_name: str | None = None  # the spec the cost model prices steps on, if any
     price_per_hour: float | None = None  # USD, when requests are priced
     task: str = "generate"  # generate, embed or score (quill.config.resolve_task)
+    cross_encoder: bool = False  # an encoder with a classification head: scores pairs
 
 
 @dataclass

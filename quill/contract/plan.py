@@ -81,6 +81,8 @@ class SeqPlan:
     # embedding ("mean", "cls", "last"); None: nothing.
     pooling: str | None = None
     pool_logit_ids: list[int] | None = None  # the pooled row's logits of these, not its state
+    pool_classify: bool = False  # the pooled row through the classification head
+    second_segment: int | None = None  # an encoder's: where token type 1 begins
 
     @property
     def num_tokens(self) -> int:

@@ -34,8 +34,16 @@ class PoolingParams:
     # A decoder reranker's: the pooled row's logits of these tokens (its "yes" and "no")
     # instead of its hidden state.
     logit_ids: tuple[int, ...] | None = None
+    # A cross-encoder's: the first row through the model's classification head (its logits
+    # instead of its state); `second_segment` where the prompt's second text (token type 1)
+    # begins.
+    classify: bool = False
+    second_segment: int | None = None
 
     def __post_init__(self) -> None:
+        if self.classify and (self.type != "cls" or self.normalize):
+            raise InvalidRequestError("classify pools the first row's logits, not normalized",
+                                      "pooling")  # fmt: skip
         if self.logit_ids is not None and (self.type != "last" or self.normalize):
             raise InvalidRequestError("logit_ids pool the last row's logits, not normalized",
                                       "pooling")  # fmt: skip

@@ -438,6 +438,7 @@ class EngineCore:
                 token_ids = request.token_ids_slice(start, start + 1) + drafts
             else:
                 token_ids = request.token_ids_slice(start, start + s.num_tokens)
+            pooling = request.sampling_params.pooling
             scored = None
             if request.prompt_logprobs is not None:
                 scored = prompt_tokens_to_score(request, start, s.num_tokens)
@@ -458,6 +459,8 @@ class EngineCore:
                     prompt_logprobs=request.sampling_params.prompt_logprobs if scored else 0,
                     pooling=_pooling(request, start, s.num_tokens),
                     pool_logit_ids=_logit_ids(request),
+                    pool_classify=pooling is not None and pooling.classify,
+                    second_segment=None if pooling is None else pooling.second_segment,
                 )
             )
         fetches = []

@@ -158,7 +158,8 @@ class EngineWorker:
             max_model_len=built.max_model_len,
             num_kv_tokens=built.num_blocks * config.block_size,
             pid=os.getpid(),
-            task=resolve_task(config.task, encoder),
+            task=resolve_task(config.task, encoder, built.model_config.num_labels > 0),
+            cross_encoder=encoder and built.model_config.num_labels > 0,
         )
         accountant = self.accountant
         if accountant is not None and accountant.cost_model is not None:

@@ -1,6 +1,8 @@
 """Scoring (query, document) pairs, for reranking: how the served model scores them.
 
-Two ways, by what the model is:
+Three ways, by what the model is:
+- a cross-encoder (BertForSequenceClassification: ms-marco-MiniLM and kin): both texts as one
+  input, its classification head's logit on the first row through a sigmoid;
 - a decoder reranker (Qwen3-Reranker; `--task score` on a causal model): the pair written in
   the reranker's prompt, and the score the probability of "yes" against "no" at the end of it
   (the last row's logits of the two tokens, pooled by the engine: PoolingParams.logit_ids);
@@ -12,7 +14,7 @@ Each is engine pooling requests (quill/contract/pooling.py); the scores are comp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from quill.contract.errors import InvalidRequestError
 from quill.contract.pooling import PoolingParams
@@ -31,16 +33,18 @@ _SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 @dataclass(frozen=True)
 class Scorer:
-    """`kind` "yes_no" (a decoder reranker) or "cosine" (an embedding model); `pooling` the
-    embedding model's own."""
+    """`kind` "yes_no" (a decoder reranker), "cross_encoder" (a classification head on both
+    texts at once) or "cosine" (an embedding model, `pooling` its own)."""
 
     kind: str
     pooling: PoolingParams
     yes_no: tuple[int, int] | None = None  # the reranker's token ids
 
     @classmethod
-    def for_model(cls, task: str, tokenizer: Tokenizer, pooling: PoolingParams) -> Scorer:
-        if task != "score":
+    def for_model(cls, kind: str, tokenizer: Tokenizer, pooling: PoolingParams) -> Scorer:
+        if kind == "cross_encoder":
+            return cls(kind, PoolingParams("cls", normalize=False, classify=True))
+        if kind != "yes_no":
             return cls("cosine", pooling)
         ids = []
         for word in ("yes", "no"):
@@ -52,25 +56,41 @@ class Scorer:
         yes_no = (ids[0], ids[1])
         return cls("yes_no", PoolingParams("last", normalize=False, logit_ids=yes_no), yes_no)
 
-    def texts(self, pairs: list[tuple[str, str]], instruction: str | None) -> list[str]:
-        """The texts to pool: for a reranker one prompt a pair; for an embedding model each
-        distinct text once (a query scored against many documents is embedded once)."""
+    def inputs(
+        self, tokenizer: Tokenizer, pairs: list[tuple[str, str]], instruction: str | None
+    ) -> list[tuple[list[int], PoolingParams]]:
+        """The engine's pooling requests (token ids, pooling): for a reranker one a pair (the
+        pair in its prompt; a cross-encoder's two texts as one input, the second's tokens of
+        type 1); for an embedding model one a distinct text (a query scored against many
+        documents is embedded once)."""
+        if self.kind == "cross_encoder":
+            out = []
+            for q, d in pairs:
+                ids, second = tokenizer.encode_pair(q, d)
+                out.append((ids, replace(self.pooling, second_segment=second)))
+            return out
         if self.kind == "yes_no":
             task = instruction or RERANK_INSTRUCTION
-            return [f"{_PREFIX}<Instruct>: {task}\n<Query>: {q}\n<Document>: {d}{_SUFFIX}"
-                    for q, d in pairs]  # fmt: skip
-        return list(dict.fromkeys(t for pair in pairs for t in pair))
+            texts = [f"{_PREFIX}<Instruct>: {task}\n<Query>: {q}\n<Document>: {d}{_SUFFIX}"
+                     for q, d in pairs]  # fmt: skip
+            return [(tokenizer.encode(t, False), self.pooling) for t in texts]
+        return [(tokenizer.encode(t), self.pooling) for t in _distinct(pairs)]
 
-    def encode(self, tokenizer: Tokenizer, text: str) -> list[int]:
-        # The reranker's prompt carries its own markers; an embedding model's text its BOS/CLS.
-        return tokenizer.encode(text, self.kind != "yes_no")
-
-    def scores(self, pairs: list[tuple[str, str]], texts: list[str], pooled: list) -> list[float]:
-        """Each pair's score from what the engine pooled for `texts`."""
+    def scores(self, pairs: list[tuple[str, str]], pooled: list[list[float]]) -> list[float]:
+        """Each pair's score from what the engine pooled for `inputs`."""
         if self.kind == "yes_no":  # P(yes) over yes and no
             return [1 / (1 + math.exp(no - yes)) for yes, no in pooled]
-        vectors = dict(zip(texts, pooled))
+        if self.kind == "cross_encoder":  # its one logit through a sigmoid
+            if any(len(p) != 1 for p in pooled):
+                raise InvalidRequestError("this cross-encoder has several labels: a "
+                                          "classifier, not a reranker", "model")  # fmt: skip
+            return [1 / (1 + math.exp(-p[0])) for p in pooled]
+        vectors = dict(zip(_distinct(pairs), pooled))
         return [_cosine(vectors[q], vectors[d]) for q, d in pairs]
+
+
+def _distinct(pairs: list[tuple[str, str]]) -> list[str]:
+    return list(dict.fromkeys(t for pair in pairs for t in pair))
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
@@ -79,10 +99,14 @@ def _cosine(a: list[float], b: list[float]) -> float:
     return dot / norm if norm else 0.0
 
 
-def scorer_for(task: str, tokenizer: Tokenizer, pooling: PoolingConfig) -> Scorer | None:
-    """How a model served for `task` (quill.config.resolve_task) scores pairs: a reranker's
-    yes / no (score), an embedding model's cosine (embed); a generating model scores nothing,
-    nor one whose embeddings quill cannot make."""
+def scorer_for(task: str, tokenizer: Tokenizer, pooling: PoolingConfig,
+               cross_encoder: bool = False) -> Scorer | None:  # fmt: skip
+    """How a model served for `task` (quill.config.resolve_task) scores pairs: a
+    cross-encoder's head, a decoder reranker's yes / no (score), an embedding model's cosine
+    (embed); a generating model scores nothing, nor one whose embeddings quill cannot make."""
+    if cross_encoder:
+        return Scorer.for_model("cross_encoder", tokenizer, None)
     if task == "generate" or pooling.unsupported:
         return None
-    return Scorer.for_model(task, tokenizer, pooling.params(None, None))
+    kind = "yes_no" if task == "score" else "cosine"
+    return Scorer.for_model(kind, tokenizer, pooling.params(None, None))

@@ -90,6 +90,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int]:
+        """Two texts as one input, as a cross-encoder reads them ([CLS] a [SEP] b [SEP]), and
+        where the second one's tokens (token type 1) begin."""
+        encoding = self.backend.encode(first, second)
+        types = encoding.type_ids
+        return encoding.ids, types.index(1) if 1 in types else len(types)
+
     def token_offsets(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Where each of `text`'s tokens starts in it, in characters (a token added by the
         tokenizer, such as BOS, at 0)."""

@@ -1,6 +1,7 @@
-"""BERT, the encoder of the sentence-transformers embedding models (all-MiniLM-L6-v2 and kin):
-learned absolute positions and token types added to the token embeddings, a LayerNorm, then
-post-LayerNorm layers of bidirectional attention and a GELU MLP.
+"""BERT, the encoder of the sentence-transformers embedding models (all-MiniLM-L6-v2 and kin)
+and of the cross-encoders that rerank (BertForSequenceClassification: a tanh pooler and a
+classifier on the first row): learned absolute positions and token types added to the token
+embeddings, a LayerNorm, then post-LayerNorm layers of bidirectional attention and a GELU MLP.
 
 An encoder keeps no KV cache: each prompt is one pass in which every token sees every other
 (the scheduler never cuts an encoder's prompt, quill/engine/scheduler.py), so the layers take
@@ -92,16 +93,31 @@ class BertModel(nn.Module):
         self.embed_norm = nn.LayerNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_layers))
         self.norm = nn.Identity()
+        if config.num_labels:  # a cross-encoder: the pooler (tanh) and the classifier
+            self.pooler = nn.Linear(h, h)
+            self.classifier = nn.Linear(h, config.num_labels)
+
+    def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's logits from each prompt's first ([CLS]) row."""
+        return self.classifier(torch.tanh(self.pooler(first_rows)))
 
     def init_rope(self, max_positions: int) -> None:
         """No rotary tables: positions are learned embeddings."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int],
+        token_types: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The last layer's states of every token (all of segment A, token type 0)."""
+        """The last layer's states of every token (`token_types`: each token's segment, 0 for
+        a single text, 1 for a pair's second)."""
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        x = self.embed_norm(x + self.token_type_embeddings.weight[0])
+        if token_types is None:
+            x = self.embed_norm(x + self.token_type_embeddings.weight[0])
+        else:
+            x = self.embed_norm(x + self.token_type_embeddings(token_types))
         groups = _LengthGroups(seq_lens, x.device)
         for layer in self.layers:
             x = layer(x, groups)
@@ -139,4 +155,8 @@ def weight_target(name: str, config: ModelConfig) -> Target | None:
             return Target(f"layers.{index}.qkv.{kind}", _QKV.index(module) * h, h)
         rows = config.intermediate_size if module == "intermediate.dense" else h
         return Target(f"layers.{index}.{_LAYER_NAMES[module]}.{kind}", 0, rows)
-    return None  # the pooler (a classification head's input), unused by embeddings
+    if config.num_labels and name.startswith("pooler.dense."):
+        return Target(f"pooler.{name.rpartition('.')[2]}", 0, h)
+    if config.num_labels and name.startswith("classifier."):
+        return Target(f"classifier.{name.rpartition('.')[2]}", 0, config.num_labels)
+    return None  # an embedding model's pooler, which embeddings do not use

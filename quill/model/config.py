@@ -32,6 +32,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma3ForCausalLM": Architecture("gemma3", qk_norm=True),
     # Encoders (embedding models: all-MiniLM-L6-v2 and the other sentence-transformers BERTs).
     "BertModel": Architecture("bert", qkv_bias=True),
+    # Cross-encoders (rerankers such as ms-marco-MiniLM-L-6-v2): BERT and a classifier head.
+    "BertForSequenceClassification": Architecture("bert", qkv_bias=True),
 }
 
 
@@ -81,6 +83,7 @@ class ModelConfig:
     # token types (segment A / B) embedded beside the positions.
     causal: bool = True
     type_vocab_size: int = 0
+    num_labels: int = 0  # a classification head's outputs (a cross-encoder's); 0: none
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -131,6 +134,7 @@ class ModelConfig:
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
             causal=traits.family != "bert",
             type_vocab_size=d.get("type_vocab_size", 0),
+            num_labels=_num_labels(arch, d),
         )
 
     @property
@@ -156,6 +160,12 @@ def _refuse_what_is_not_modelled(arch: str, d: dict) -> None:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in (None, "default", "linear", "llama3", "freq_factors"):
         raise ModelLoadError(f"{arch}: rope_scaling of type {kind!r} is not supported")
+
+
+def _num_labels(arch: str, d: dict) -> int:
+    if not arch.endswith("ForSequenceClassification"):
+        return 0
+    return len(d.get("id2label") or {}) or int(d.get("num_labels", 2))
 
 
 def _bert(d: dict) -> dict:

@@ -254,16 +254,20 @@ class ModelRunner:
         pooled; nothing samples."""
         ids: list[int] = []
         positions: list[int] = []
+        types: list[int] = []
         pooling: list[tuple[SeqPlan, int]] = []
         for s in plan.seqs:
             if s.pooling is not None:
                 pooling.append((s, len(ids)))
             ids.extend(s.token_ids)
             positions.extend(range(s.start, s.start + s.num_tokens))
+            second = s.num_tokens if s.second_segment is None else s.second_segment
+            types.extend([0] * second + [1] * (s.num_tokens - second))
         dev = self.device
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
-                            [s.num_tokens for s in plan.seqs])  # fmt: skip
+                            [s.num_tokens for s in plan.seqs],
+                            torch.tensor(types, dtype=torch.long, device=dev))  # fmt: skip
         return ForwardOutput(None, [], {}, self._pool(hidden, pooling) if pooling else {})
 
     def _pool(self, hidden: torch.Tensor, pooling: list[tuple[SeqPlan, int]]) -> dict:
@@ -280,7 +284,10 @@ class ModelRunner:
         pooled, i = {}, 0
         for s, _ in pooling:
             n = s.num_tokens if s.pooling == "mean" else 1
-            if s.pool_logit_ids is not None:  # a reranker's yes / no: the head, on one row
+            if s.pool_classify:  # a cross-encoder's score: its classification head
+                logits = self.model.classify(hidden[index[i : i + 1]])[0]
+                pooled[s.request_id] = (logits.float().tolist(), 1)
+            elif s.pool_logit_ids is not None:  # a reranker's yes / no: the head, on one row
                 logits = self.model.compute_logits(hidden[index[i : i + 1]])[0]
                 ids = torch.tensor(s.pool_logit_ids, dtype=torch.long, device=self.device)
                 pooled[s.request_id] = (logits[ids].float().tolist(), 1)

@@ -78,17 +78,19 @@ class Generation:
         params: Sequence[SamplingParams],
         scheduling: dict | None = None,
         scoring_param: str = "prompt_logprobs",
+        zipped: bool = False,
     ) -> None:
-        """Add len(prompts) * len(params) engine requests; all or none (InvalidRequestError).
-        `scheduling`: priority, cache_salt and ttft_slo, as the engine's add_request takes them;
-        `scoring_param`: the field named when too many prompt tokens are to be scored."""
+        """Add len(prompts) * len(params) engine requests (`zipped`: one a prompt, with its
+        own params); all or none (InvalidRequestError). `scheduling`: priority, cache_salt and
+        ttft_slo, as the engine's add_request takes them; `scoring_param`: the field named
+        when too many prompt tokens are to be scored."""
         # A request that can never be served is a 400 whatever the load: every one is checked
         # (quill.frontend.inputs) before the queue is asked for room.
         inputs = self.ctx.engine.inputs
         requests = []
-        for prompt in prompts:
+        for k, prompt in enumerate(prompts):
             self.prompt_lens.append(len(prompt))
-            for p in params:
+            for p in [params[k]] if zipped else params:
                 engine_id = f"{self.request_id}-{len(requests)}"
                 requests.append(
                     inputs.make_request(

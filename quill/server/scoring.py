@@ -5,8 +5,9 @@ vLLM's pairs of texts).
 Rerank: `query`, `documents` (texts, or objects with `text`), `top_n`, `return_documents`;
 results sorted by `relevance_score`, each with its `index` in the documents. Score:
 `text_1` and `text_2`, each a text or a list (one against many, or pairwise). How a pair is
-scored is the model's (quill/frontend/scoring.py): a decoder reranker's P(yes), or the cosine
-of an embedding model's vectors. `instruction` (Qwen3-Reranker's "Instruct") is quill's.
+scored is the model's (quill/frontend/scoring.py): a cross-encoder's head, a decoder
+reranker's P(yes), or the cosine of an embedding model's vectors. `instruction`
+(Qwen3-Reranker's "Instruct") is quill's.
 """
 
 from __future__ import annotations
@@ -83,13 +84,14 @@ async def _score(
     if scorer is None:
         raise APIError(400, "this model scores nothing: serve an embedding model, or a reranker "
                        "with --task score", param="model")  # fmt: skip
-    texts = scorer.texts(pairs, req.instruction)
-    for text in texts:
-        ctx.check_prompt_length(text, param)
-    prompts = await asyncio.to_thread(lambda: [scorer.encode(ctx.tokenizer, t) for t in texts])
+    for q, d in pairs:
+        ctx.check_prompt_length(q + d, param)
+    inputs = await asyncio.to_thread(scorer.inputs, ctx.tokenizer, pairs, req.instruction)
     gen = Generation.for_request(ctx, "score", arrival_time, req, raw)
     try:
-        await gen.submit(prompts, [SamplingParams(max_tokens=0, pooling=scorer.pooling)])
+        await gen.submit([ids for ids, _ in inputs],
+                         [SamplingParams(max_tokens=0, pooling=p) for _, p in inputs],
+                         zipped=True)  # fmt: skip
     except InvalidRequestError as e:
         raise renamed(e, {"prompt": param}) from None
     except APIError as e:
@@ -98,8 +100,8 @@ async def _score(
     async def collect() -> list[float]:
         async for _ in gen.outputs():
             pass
-        pooled = [gen.finished[i].embedding for i in range(len(prompts))]
-        return scorer.scores(pairs, texts, pooled)
+        pooled = [gen.finished[i].embedding for i in range(len(inputs))]
+        return scorer.scores(pairs, pooled)
 
     scores = await unless_disconnected(raw, gen, collect)
     return scores, sum(gen.prompt_lens)

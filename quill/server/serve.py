@@ -302,7 +302,7 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         console_figures=args.console_figures or list(DEFAULT_FIGURE_DIRS),
         chat_format=chat_format_of(args, engine.tokenizer),
         pooling=(pooling := PoolingConfig.read(info.model_path)),
-        scorer=scorer_for(info.task, engine.tokenizer, pooling),
+        scorer=scorer_for(info.task, engine.tokenizer, pooling, info.cross_encoder),
     )
     config = uvicorn.Config(
         build_app(ctx),
