@@ -14,14 +14,14 @@ import base64
 from typing import Literal
 
 import numpy as np
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Field, model_validator
 from starlette.requests import Request
 
 from quill.contract.errors import InvalidRequestError
 from quill.contract.sampling_params import SamplingParams
 from quill.server.context import ServerContext
 from quill.server.errors import APIError, renamed
-from quill.server.fields import INT64_MAX, Int64, Lenient, limits_of
+from quill.server.fields import INT64_MAX, Int64, Lenient
 from quill.server.generation import Generation, unless_disconnected
 
 # The engine's names for the fields, as this API names them.
@@ -41,8 +41,7 @@ class EmbeddingRequest(Lenient):
     priority: Int64 | None = 0
 
     @model_validator(mode="after")
-    def _check(self, info: ValidationInfo):
-        limits_of(info)
+    def _check(self):
         if isinstance(self.input, list) and (
             not self.input or any(isinstance(i, list) and not i for i in self.input)
         ):
