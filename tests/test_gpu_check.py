@@ -30,7 +30,7 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path):
     steps = json.loads((tmp_path / "check.json").read_text())["steps"]
     assert all(v.startswith("ok") for v in steps.values()), steps
     suite = ET.parse(tmp_path / "tests.xml").getroot().find("testsuite")
-    assert int(suite.get("tests")) >= 2 and int(suite.get("failures")) == 0
+    assert int(suite.get("tests")) >= 1 and int(suite.get("failures")) == 0
     assert int(suite.get("errors")) == 0
     bench = json.loads((tmp_path / "bench.json").read_text())
     assert bench["copy_bandwidth_Bps"] > 0 and bench["matmul_bf16_flops"] > 0
