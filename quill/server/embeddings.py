@@ -51,10 +51,6 @@ class EmbeddingRequest(Lenient):
                                       param="truncate_prompt_tokens")  # fmt: skip
         return self
 
-    @property
-    def constraint_field(self) -> None:
-        return None  # an embedding follows no constraint
-
     def inputs(self) -> list[str | list[int]]:
         value = self.input
         if isinstance(value, str):

@@ -112,6 +112,11 @@ def by_type(known: Iterable[str], missing: str = "", other: str = "other") -> Di
     return Discriminator(tag)
 
 
+def unsupported(what: str, param: str) -> InvalidRequestError:
+    """A 400 naming `param`: "`what` not supported"."""
+    return InvalidRequestError(f"{what} not supported", param=param)
+
+
 def refused(name: str, what: str, param: str, note: str = "") -> type[Lenient]:
     """The union member for the types quill does not take: "`what` of type 'x': not
     supported`note`", a 400 naming `param` (`name`: the class's name in the schema)."""

@@ -130,10 +130,12 @@ class Generation:
 
     @classmethod
     def for_request(cls, ctx: ServerContext, prefix: str, arrival_time: float, req, raw: Request):
-        """The generation of an API request `req` (its constraint's field) that came as `raw`
-        (its X-Request-Id), under a fresh id of the server's own: `prefix`-<hex>."""
+        """The generation of an API request `req` (its constraint's field, where its API has
+        constraints) that came as `raw` (its X-Request-Id), under a fresh id of the server's
+        own: `prefix`-<hex>."""
         client_id = raw.headers.get("x-request-id")
-        return cls(ctx, ctx.request_id(prefix), arrival_time, req.constraint_field, client_id)
+        field = getattr(req, "constraint_field", None)
+        return cls(ctx, ctx.request_id(prefix), arrival_time, field, client_id)
 
     @property
     def name(self) -> str:

@@ -38,10 +38,6 @@ class RerankRequest(Lenient):
     return_documents: bool | None = True
     instruction: str | None = None
 
-    @property
-    def constraint_field(self) -> None:
-        return None
-
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
@@ -51,10 +47,6 @@ class ScoreRequest(Lenient):
     text_1: str | list[str]
     text_2: str | list[str]
     instruction: str | None = None
-
-    @property
-    def constraint_field(self) -> None:
-        return None
 
     @model_validator(mode="after")
     def _check(self):

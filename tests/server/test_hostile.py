@@ -19,10 +19,12 @@ import pytest
 from server_helpers import sample, wait_until
 from test_server_cli import KEY, ServeProcess
 
+from quill.server.embeddings import EmbeddingRequest
 from quill.server.errors import ANTHROPIC_TYPES
 from quill.server.messages.protocol import MessagesRequest
 from quill.server.protocol import ChatCompletionRequest, CompletionRequest
 from quill.server.responses.protocol import ResponsesRequest
+from quill.server.scoring import RerankRequest, ScoreRequest
 
 FLAGS = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--quantization", "none",
          "--kv-cache-memory", "128MiB", "--port", "0", "--max-queued-requests", "64",
@@ -30,10 +32,13 @@ FLAGS = ("--dtype", "float32", "--kv-cache-dtype", "float32", "--quantization", 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
+EMBEDDINGS, RERANK, SCORE = "/v1/embeddings", "/v1/rerank", "/v1/score"
 USER = [{"role": "user", "content": "hi"}]
 # Each route's smallest request, and the field that caps its reply.
 BASE = {COMPLETIONS: {"prompt": "x"}, CHAT: {"messages": USER}, RESPONSES: {"input": "hi"},
-        MESSAGES: {"messages": USER}}  # fmt: skip
+        MESSAGES: {"messages": USER}, EMBEDDINGS: {"input": "hi"},
+        RERANK: {"query": "q", "documents": ["d"]},
+        SCORE: {"text_1": "a", "text_2": "b"}}  # fmt: skip
 CAP = {COMPLETIONS: "max_tokens", CHAT: "max_tokens", RESPONSES: "max_output_tokens",
        MESSAGES: "max_tokens"}  # fmt: skip
 VICTIM = {"prompt": "The history of the printing press", "max_tokens": 24, "temperature": 0,
@@ -165,13 +170,15 @@ def wrong_types() -> list[tuple[str, str, dict, str]]:
     fewer = [{"x": {"y": [1]}}, "text", -1, None]
     cases = []
     routes = ((COMPLETIONS, CompletionRequest, values), (CHAT, ChatCompletionRequest, values),
-              (RESPONSES, ResponsesRequest, fewer), (MESSAGES, MessagesRequest, fewer))  # fmt: skip
+              (RESPONSES, ResponsesRequest, fewer), (MESSAGES, MessagesRequest, fewer),
+              (EMBEDDINGS, EmbeddingRequest, fewer), (RERANK, RerankRequest, fewer),
+              (SCORE, ScoreRequest, fewer))  # fmt: skip
     for route, model, shapes in routes:
         for field, value in itertools.product(sorted(model.model_fields), shapes):
             if field.startswith("_"):
                 continue
             name = model.model_fields[field].alias or field
-            if route == RESPONSES and name == CAP[route] and value is None:
+            if route == RESPONSES and name == CAP.get(route) and value is None:
                 continue  # no other field caps the reply: it would run to the context's end
             cases.append((f"{route} {name}={value!r}", route, {name: value}, name))
     return cases
@@ -263,10 +270,11 @@ def test_hostile_requests_leave_the_server_and_its_other_clients_alone(served):
         sent += 1
     for case, route, body, field in wrong_types():
         # The reply stays short whatever the field (max_completion_tokens wins).
-        limit = CAP[route]
+        limit = CAP.get(route)  # the pooling routes generate nothing: no cap
         if field == limit and route in (COMPLETIONS, CHAT):
             limit = "max_completion_tokens"
-        r = http.post(route, json={**BASE[route], limit: 2, **body})
+        cap = {limit: 2} if limit else {}
+        r = http.post(route, json={**BASE[route], **cap, **body})
         check_reply(r, case)
         if route != MESSAGES:
             assert r.status_code not in range(400, 500) or r.json()["error"]["param"], case

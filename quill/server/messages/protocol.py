@@ -23,11 +23,7 @@ from pydantic import Field, model_validator
 
 from quill.contract.errors import InvalidRequestError
 from quill.frontend.reasoning import EFFORT_BUDGETS
-from quill.server.fields import Lenient, by_type, member, refused
-
-
-def _unsupported(what: str, param: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{what} not supported", param=param)
+from quill.server.fields import Lenient, by_type, member, refused, unsupported
 
 
 class TextBlock(Lenient):
@@ -160,7 +156,7 @@ class CountTokensRequest(Lenient):
     def _check(self):
         for name in ("mcp_servers", "container", "context_management"):
             if getattr(self, name):
-                raise _unsupported(f"{name} is", name)
+                raise unsupported(f"{name} is", name)
         if self.tool_choice is not None and self.tool_choice.type == "tool":
             if not self.tool_choice.name:
                 raise InvalidRequestError("tool_choice of type tool needs a name",

@@ -74,7 +74,8 @@ class ResponseBuilder:
             "max_output_tokens": req.max_output_tokens,
             "max_tool_calls": None,
             "model": self.model,
-            "output": copy.deepcopy(self.items),
+            # Rendered at once (a reply) or deep-copied by `event`: the items themselves.
+            "output": list(self.items),
             "parallel_tool_calls": bool(req.parallel_tool_calls),
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": reasoning.get("effort"),

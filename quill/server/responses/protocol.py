@@ -21,7 +21,16 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from quill.contract.errors import InvalidRequestError
 from quill.frontend.reasoning import EFFORT_BUDGETS
-from quill.server.fields import Count, Int64, Lenient, by_type, limits_of, member, refused
+from quill.server.fields import (
+    Count,
+    Int64,
+    Lenient,
+    by_type,
+    limits_of,
+    member,
+    refused,
+    unsupported,
+)
 
 # What `include` may ask for: the two quill fills in, and the outputs of OpenAI's built-in
 # tools, which quill never runs (so there is nothing of theirs to include).
@@ -52,10 +61,6 @@ def unpack_thinking(value: str | None) -> str | None:
         return base64.b64decode(value[len(_THINKING_PREFIX) :], validate=True).decode()
     except ValueError:
         return None
-
-
-def _unsupported(what: str, param: str) -> InvalidRequestError:
-    return InvalidRequestError(f"{what} not supported", param=param)
 
 
 # -- input items ------------------------------------------------------------------------
@@ -259,12 +264,12 @@ class ResponsesRequest(Lenient):
         limits = limits_of(info)
         for name in ("conversation", "prompt", "max_tool_calls", "context_management"):
             if getattr(self, name) is not None:
-                raise _unsupported(f"{name} is", name)
+                raise unsupported(f"{name} is", name)
         if self.truncation == "auto":
-            raise _unsupported('truncation "auto" is (a conversation past the context is '
+            raise unsupported('truncation "auto" is (a conversation past the context is '
                                "refused, not cut)", "truncation")  # fmt: skip
         if self.text is not None and self.text.verbosity not in (None, "medium"):
-            raise _unsupported("text.verbosity other than medium is", "text.verbosity")
+            raise unsupported("text.verbosity other than medium is", "text.verbosity")
         unknown = sorted(set(self.include or ()) - INCLUDABLE)
         if unknown:
             raise InvalidRequestError(f"include: unknown value {unknown[0]!r}", param="include")
@@ -272,7 +277,7 @@ class ResponsesRequest(Lenient):
             raise InvalidRequestError("background responses must be stored (store: true)",
                                       param="background")  # fmt: skip
         if self.background and self.stream:
-            raise _unsupported("streaming a background response is", "background")
+            raise unsupported("streaming a background response is", "background")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true",
                                       param="stream_options")  # fmt: skip
