@@ -69,7 +69,7 @@ def bounded(body, path: str, model: str):
     # Chat would otherwise run to the end of the context (the Responses API names it its way).
     cap = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
     pools = ("/v1/messages/count_tokens", "/v1/embeddings", "/v1/rerank", "/v1/score")
-    if cap not in body and path not in pools:
+    if body.get(cap) is None and path not in pools:  # null asks for no cap: the context
         body[cap] = 4
     if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
         body["n"] = min(body["n"], 2)
