@@ -87,7 +87,8 @@ class LLM:
         the model's sentence-transformers files say, else the last token's, normalized),
         computed in one continuous batch with anything else the engine runs; in input order."""
         if pooling is None:
-            pooling = PoolingConfig.read(self.engine.model_path).params(None, None)
+            info = self.engine.worker.info
+            pooling = PoolingConfig.read(info.model_path, info.encoder).params(None, None)
         params = SamplingParams(max_tokens=0, pooling=pooling)
         return [out.embedding for out in self.generate(prompts, params, use_tqdm)]
 
@@ -101,7 +102,7 @@ class LLM:
         """Each document's relevance to `query`: a reranker's P(yes) (`task="score"`), or the
         cosine of an embedding model's vectors (quill/frontend/scoring.py)."""
         info = self.engine.worker.info
-        pooling = PoolingConfig.read(self.engine.model_path)
+        pooling = PoolingConfig.read(info.model_path, info.encoder)
         scorer = scorer_for(info.task, self.tokenizer, pooling, info.cross_encoder)
         if scorer is None:
             raise InvalidRequestError("this model scores nothing: load an embedding model, or "

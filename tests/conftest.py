@@ -132,9 +132,9 @@ def write_random_checkpoint(directory, model_dir, kind: str, heads: int, kv_head
 
 def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
     """A tiny randomly initialised transformers model of `kind` (llama, llama3, mistral,
-    mistral_window, qwen2, qwen2.5, qwen3, qwen3_moe, phi3, gemma3, gemma3_reference), saved
-    to `directory` with the default model's tokenizer; returns the reference model. `shape`
-    overrides its config."""
+    mistral_window, qwen2, qwen2.5, qwen3, qwen3_moe, phi3, gemma3, gemma3_reference,
+    embeddinggemma), saved to `directory` with the default model's tokenizer; returns the
+    reference model. `shape` overrides its config."""
     import transformers
 
     from quill.model.default_model import default_model_dir
@@ -181,6 +181,9 @@ def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
         # head dim 20: no native kernel takes it, so the PyTorch path (two sets of masks)
         "gemma3_reference": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                              {**gemma, "head_dim": 20, "query_pre_attn_scalar": 20}),
+        # EmbeddingGemma's layers: bidirectional attention, no head (Gemma3TextModel)
+        "embeddinggemma": ("Gemma3TextConfig", "Gemma3TextModel",
+                           {**gemma, "use_bidirectional_attention": True}),
     }  # fmt: skip
     config_class, model_class, extra = kinds[kind]
     config = getattr(transformers, config_class)(**{**common, **extra, **shape})

@@ -225,6 +225,7 @@ class EngineInfo:
     price_per_hour: float | None = None  # USD, when requests are priced
     task: str = "generate"  # generate, embed or score (quill.config.resolve_task)
     cross_encoder: bool = False  # an encoder with a classification head: scores pairs
+    encoder: bool = False  # bidirectional (ModelConfig.causal false): each prompt pooled whole
 
 
 @dataclass

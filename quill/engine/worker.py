@@ -160,6 +160,7 @@ class EngineWorker:
             pid=os.getpid(),
             task=resolve_task(config.task, encoder, built.model_config.num_labels > 0),
             cross_encoder=encoder and built.model_config.num_labels > 0,
+            encoder=encoder,
         )
         accountant = self.accountant
         if accountant is not None and accountant.cost_model is not None:

@@ -1,12 +1,13 @@
 """How a model pools by default, read from its sentence-transformers files where it has them.
 
 A sentence-transformers directory says its pipeline in `modules.json` (Transformer, Pooling,
-Normalize, ...) and its pooling in `1_Pooling/config.json` (`pooling_mode_mean_tokens`, ...);
+Dense, Normalize, ...) and its pooling in `1_Pooling/config.json` (`pooling_mode_mean_tokens`, ...);
 `config.json` may say the model was trained for shorter vectors (`is_matryoshka`,
 `matryoshka_dimensions`, vLLM's keys). A model without them pools as vLLM's decoder embedding
-models do: the last token, normalized. Modules quill does not run (Dense projections, as
-EmbeddingGemma's) are named, so that the server refuses embeddings instead of returning
-vectors the model's users would not get.
+models do: the last token, normalized. Modules quill does not run (Dense projections on
+causal models: their mean is summed chunk by chunk in the engine) are named, so that the server
+refuses embeddings instead of returning vectors the model's users would not get; an encoder's
+Dense projections (EmbeddingGemma's) run after its pooling (quill/model/pooled_head.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class PoolingConfig:
     width: int | None = None  # the hidden size: the vector's full length
 
     @classmethod
-    def read(cls, model_path: str | Path) -> PoolingConfig:
+    def read(cls, model_path: str | Path, encoder: bool = False) -> PoolingConfig:
+        """`encoder`: the model pools each prompt whole (quill/model/pooled_head.py runs its
+        Dense modules)."""
         root = Path(model_path)
         if not root.is_dir():
             return cls()
@@ -47,7 +50,8 @@ class PoolingConfig:
         if modules is None:
             return cls(matryoshka=matryoshka, width=width)
         kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
-        unsupported = [k for k in kinds if k not in _RUN]
+        runs = (*_RUN, "Dense") if encoder else _RUN
+        unsupported = [k for k in kinds if k not in runs]
         kind = "last"
         for m in modules:
             if m.get("type", "").endswith("Pooling"):

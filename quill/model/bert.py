@@ -5,7 +5,8 @@ embeddings, a LayerNorm, then post-LayerNorm layers of bidirectional attention a
 
 An encoder keeps no KV cache: each prompt is one pass in which every token sees every other
 (the scheduler never cuts an encoder's prompt, quill/engine/scheduler.py), so the layers take
-the flat batch with each sequence's length and attend within each sequence. The runner pools
+the flat batch with each sequence's length and attend within each sequence
+(quill/model/prompt_attention.py). The runner pools
 `forward`'s rows as a decoder's normed ones (`norm` is the identity: BERT's last LayerNorm is
 inside its last layer).
 """
@@ -18,6 +19,7 @@ from torch import nn
 
 from quill.model.config import ModelConfig
 from quill.model.llama import Target
+from quill.model.prompt_attention import PromptGroups
 
 
 class BertLayer(nn.Module):
@@ -32,52 +34,11 @@ class BertLayer(nn.Module):
         self.output = nn.Linear(config.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, groups: _LengthGroups) -> torch.Tensor:
-        qkv = self.qkv(x)
-        source = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])])  # the last row pads
-        a = torch.empty_like(x)
-        for size, longest, gather, valid, rows, mask in groups.parts:
-            q, k, v = source[gather].view(size, longest, 3, self.num_heads,
-                                          self.head_dim).permute(2, 0, 3, 1, 4)  # fmt: skip
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            a[rows] = out.transpose(1, 2).reshape(size * longest, -1)[valid]
+    def forward(self, x: torch.Tensor, groups: PromptGroups) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        a = groups.attend(q, k, v, self.head_dim**-0.5).view(x.shape[0], -1)
         x = self.attn_norm(x + self.out(a))
         return self.out_norm(x + self.output(F.gelu(self.inter(x))))
-
-
-class _LengthGroups:
-    """A step's prompts grouped by length for attention, each group padded to its longest
-    (at most a third longer than its shortest), padded keys masked: one padded batch of
-    prompts of 20 and 200 tokens took 3x the attention's work; one call per prompt was slow
-    in bf16. Built once a step, used by every layer."""
-
-    def __init__(self, seq_lens: list[int], device: torch.device) -> None:
-        starts = [0]
-        for n in seq_lens:
-            starts.append(starts[-1] + n)
-        pad_row = starts[-1]
-        groups: list[list[int]] = []
-        for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):
-            if groups and 4 * seq_lens[i] >= 3 * seq_lens[groups[-1][0]]:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        self.parts = []
-        for group in groups:
-            longest = seq_lens[group[0]]
-            gather, valid, rows = [], [], []
-            for j, i in enumerate(group):
-                n, start = seq_lens[i], starts[i]
-                gather += [*range(start, start + n), *[pad_row] * (longest - n)]
-                valid += range(j * longest, j * longest + n)
-                rows += range(start, start + n)
-            mask = None
-            if any(seq_lens[i] != longest for i in group):
-                lens = torch.tensor([seq_lens[i] for i in group], device=device)
-                mask = (torch.arange(longest, device=device) < lens[:, None])[:, None, None, :]
-            as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-            self.parts.append((len(group), longest, as_tensor(gather), as_tensor(valid),
-                               as_tensor(rows), mask))  # fmt: skip
 
 
 class BertModel(nn.Module):
@@ -118,7 +79,7 @@ class BertModel(nn.Module):
             x = self.embed_norm(x + self.token_type_embeddings.weight[0])
         else:
             x = self.embed_norm(x + self.token_type_embeddings(token_types))
-        groups = _LengthGroups(seq_lens, x.device)
+        groups = PromptGroups(seq_lens, x.device)
         for layer in self.layers:
             x = layer(x, groups)
         return x

@@ -30,6 +30,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", qk_norm=True, window_opt_in=True),
     "Phi3ForCausalLM": Architecture(),  # q/k/v and gate/up fused in the checkpoint
     "Gemma3ForCausalLM": Architecture("gemma3", qk_norm=True),
+    # Gemma 3's layers without the head: EmbeddingGemma (with use_bidirectional_attention).
+    "Gemma3TextModel": Architecture("gemma3", qk_norm=True),
     # Encoders (embedding models: all-MiniLM-L6-v2 and the other sentence-transformers BERTs).
     "BertModel": Architecture("bert", qkv_bias=True),
     # Cross-encoders (rerankers such as ms-marco-MiniLM-L-6-v2): BERT and a classifier head.
@@ -79,8 +81,10 @@ class ModelConfig:
     layer_windows: tuple[int, ...] | None = None
     local_rope_theta: float | None = None
     query_pre_attn_scalar: float | None = None
-    # Encoders: every token sees every other (no KV cache: a prompt is one pass), and BERT's
-    # token types (segment A / B) embedded beside the positions.
+    # Encoders (BERT; Gemma 3 with use_bidirectional_attention, as EmbeddingGemma): every
+    # token sees every other (a sliding layer: those within half its window either side; no
+    # KV cache: a prompt is one pass), and BERT's token types (segment A / B) embedded beside
+    # the positions.
     causal: bool = True
     type_vocab_size: int = 0
     num_labels: int = 0  # a classification head's outputs (a cross-encoder's); 0: none
@@ -96,6 +100,8 @@ class ModelConfig:
             )
         traits = ARCHITECTURES[arch]
         _refuse_what_is_not_modelled(arch, d)
+        if d.get("use_bidirectional_attention") and traits.family != "gemma3":
+            raise ModelLoadError(f"{arch}: use_bidirectional_attention is not supported")
         if traits.family == "gemma3":
             d = _gemma3(d)
         if traits.family == "bert":
@@ -132,7 +138,7 @@ class ModelConfig:
             layer_windows=d.get("_layer_windows"),
             local_rope_theta=d.get("_local_rope_theta"),
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
-            causal=traits.family != "bert",
+            causal=traits.family != "bert" and not d.get("use_bidirectional_attention"),
             type_vocab_size=d.get("type_vocab_size", 0),
             num_labels=_num_labels(arch, d),
         )
@@ -186,7 +192,7 @@ def _gemma3(d: dict) -> dict:
     type), and what quill refuses (soft-capped logits)."""
     for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
         if d.get(cap) is not None:
-            raise ModelLoadError(f"Gemma3ForCausalLM: {cap} is not supported")
+            raise ModelLoadError(f"Gemma 3: {cap} is not supported")
     num_layers = d["num_hidden_layers"]
     pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
     types = d.get("layer_types") or [

@@ -27,6 +27,7 @@ from quill.model.loader import (
     resolve_kv_cache_dtype,
 )
 from quill.model.memory_plan import COPIES_SHARE, STORED_COPY_SHARE, available_memory
+from quill.model.pooled_head import read_pooled_head
 from quill.model.runner import ModelRunner
 from quill.ops.memory import return_freed_memory
 
@@ -109,6 +110,7 @@ def build_model_executor(config: EngineConfig, tp=None) -> ModelExecutor:
         config.seed,
         tokenizer.eos_token_ids if tokenizer is not None else (),
         kv_format,
+        read_pooled_head(loaded.source) if encoder else None,
     )
     default_kv = plan.kv_budget() if plan is not None and device.type == "cpu" else None
     if encoder:  # no KV: the blocks only count what the scheduler admits
@@ -289,8 +291,10 @@ def _plan(config: EngineConfig, model_path: Path, dtype, device, keep_stored: bo
     hf_config, _ = _read_config(model_path, config.load_format)
     model_config = ModelConfig.from_hf_dict(hf_config)
     num_params = ModelSpec.from_hf_config(hf_config).num_params
+    # An encoder is kept in its floats (build_model_executor): no quantized copies.
+    quantization = config.quantization if model_config.causal else "none"
     plan = plan_memory(model_path, config.load_format, num_params, dtype.itemsize, device,
-                       keep_stored, config.quantization)  # fmt: skip
+                       keep_stored, quantization)  # fmt: skip
     kv_format = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device, config.dtype != "auto")
     per_token = model_config.kv_bytes_per_token * kv_format.bytes_per_element
     ctx = min(config.max_model_len or model_config.max_position_embeddings,

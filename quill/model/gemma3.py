@@ -7,6 +7,11 @@ attention scaled by 1 / sqrt(query_pre_attn_scalar); sliding-window layers (thei
 base, each query seeing its last `window` keys) interleaved with global ones; tied
 embeddings. Checkpoint names are Hugging Face's; a GGUF file's (1 + w) norms are turned back
 into w when read (quill/model/gguf_loader.py), as transformers does.
+
+EmbeddingGemma is the same layers with bidirectional attention (`use_bidirectional_attention`):
+`Gemma3Encoder` keeps no KV cache and takes each prompt whole, every token seeing its whole
+prompt on a global layer and the tokens within half the window either side on a sliding one
+(transformers' mask: |i - j| <= window // 2).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from quill.model.attention import AttentionMetadata, paged_attention
 from quill.model.config import ModelConfig
 from quill.model.layers import RMSNorm, rope_tables
 from quill.model.linear import Linear, MergedLinear
+from quill.model.prompt_attention import PromptGroups
 from quill.ops import fused
 
 
@@ -61,14 +67,18 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, kv_cache, meta: AttentionMetadata):
         """x: the previous layer's output, not yet in the residual stream. Returns (output,
-        residual) as Llama's layer does."""
+        residual) as Llama's layer does. An encoder's step passes no cache and its prompts'
+        groups as `meta`."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(self.input_layernorm(x, residual))
         q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
         k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
         q, k = fused.rope(q, k, cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        if kv_cache is None:
+            attn = meta.attend(q, k, v, self.scale, self.window // 2)
+        else:
+            attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
         o = self.post_attention_layernorm(self.o_proj(attn.view(n, self.q_size)))
         gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(o, residual))
         out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
@@ -98,17 +108,46 @@ class Gemma3ForCausalLM(llama.LlamaForCausalLM):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        ropes = {
-            False: (self.cos_cache[positions].to(x.dtype), self.sin_cache[positions].to(x.dtype)),
-            True: (
-                self.local_cos_cache[positions].to(x.dtype),
-                self.local_sin_cache[positions].to(x.dtype),
-            ),
-        }
+        ropes = self._ropes(positions, x.dtype)
         residual = torch.zeros_like(x)
         for layer, kv_cache, meta in zip(self.layers, kv_caches, metas, strict=True):
             cos, sin = ropes[layer.window > 0]
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return residual.add_(x)
+
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """The step's (cos, sin) rows: {sliding layer?: tables}."""
+        return {
+            False: (self.cos_cache[positions].to(dtype), self.sin_cache[positions].to(dtype)),
+            True: (
+                self.local_cos_cache[positions].to(dtype),
+                self.local_sin_cache[positions].to(dtype),
+            ),
+        }
+
+
+class Gemma3Encoder(Gemma3ForCausalLM):
+    """Gemma 3 with bidirectional attention (EmbeddingGemma): no KV cache, each prompt whole
+    (the runner's encoder path, as BERT's); the head is never used."""
+
+    is_encoder = True
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_lens: list[int],
+        token_types: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final norm's input for every token (the runner pools after `norm`)."""
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        ropes = self._ropes(positions, x.dtype)
+        groups = PromptGroups(seq_lens, x.device)
+        residual = torch.zeros_like(x)
+        for layer in self.layers:
+            cos, sin = ropes[layer.window > 0]
+            x, residual = layer(x, residual, cos, sin, None, groups)
         return residual.add_(x)
 
 
@@ -119,7 +158,10 @@ _NORMS = {
 
 
 def weight_target(name: str, config: ModelConfig) -> llama.Target | None:
-    """Llama's names, plus Gemma's four norms a layer and its q/k norms."""
+    """Llama's names, plus Gemma's four norms a layer and its q/k norms. A Gemma3TextModel's
+    checkpoint (EmbeddingGemma's) names its tensors without the `model.` prefix."""
+    if config.architecture == "Gemma3TextModel" and not name.startswith("model."):
+        name = f"model.{name}"
     if name.startswith("model.layers."):
         idx, kind, suffix = llama.split_layer_name(name, config)
         if kind in _NORMS:

@@ -17,15 +17,19 @@ from quill.model.config import ModelConfig
 class Family(NamedTuple):
     model: type  # takes (config, max_positions)
     weight_target: Callable[[str, ModelConfig], llama.Target | None]
+    encoder: type | None = None  # the model when the config is not causal (bidirectional)
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(llama.LlamaForCausalLM, llama.weight_target),
     "qwen3_moe": Family(qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.weight_target),
-    "gemma3": Family(gemma3.Gemma3ForCausalLM, gemma3.weight_target),
+    "gemma3": Family(gemma3.Gemma3ForCausalLM, gemma3.weight_target, gemma3.Gemma3Encoder),
     "bert": Family(bert.BertModel, bert.weight_target),
 }
 
 
 def family(config: ModelConfig) -> Family:
-    return FAMILIES[config.family]
+    chosen = FAMILIES[config.family]
+    if not config.causal and chosen.encoder is not None:
+        return chosen._replace(model=chosen.encoder)
+    return chosen

@@ -58,8 +58,12 @@ class ModelRunner:
         seed: int = 0,
         end_token_ids: Sequence[int] = (),
         kv_cache_dtype: KVCacheFormat | torch.dtype | None = None,
+        pooled_head: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
+        # An encoder's sentence-transformers Dense modules, run on each pooled vector
+        # (quill/model/pooled_head.py).
+        self.pooled_head = pooled_head
         self.config = model.config
         # An encoder (quill/model/bert.py) keeps no KV cache: each prompt is one whole pass.
         self.encoder = getattr(model, "is_encoder", False)
@@ -291,6 +295,9 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[index[i : i + 1]])[0]
                 ids = torch.tensor(s.pool_logit_ids, dtype=torch.long, device=self.device)
                 pooled[s.request_id] = (logits[ids].float().tolist(), 1)
+            elif self.pooled_head is not None:  # an encoder's whole prompt: pooled, projected
+                vector = self.pooled_head(states[i : i + n].mean(0, keepdim=True))[0]
+                pooled[s.request_id] = (vector.tolist(), 1)
             else:
                 pooled[s.request_id] = (states[i : i + n].sum(0).tolist(), n)
             i += n

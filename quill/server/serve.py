@@ -301,7 +301,7 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         console=args.console,
         console_figures=args.console_figures or list(DEFAULT_FIGURE_DIRS),
         chat_format=chat_format_of(args, engine.tokenizer),
-        pooling=(pooling := PoolingConfig.read(info.model_path)),
+        pooling=(pooling := PoolingConfig.read(info.model_path, info.encoder)),
         scorer=scorer_for(info.task, engine.tokenizer, pooling, info.cross_encoder),
     )
     config = uvicorn.Config(
