@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,6 +28,9 @@ from quill.server.guard import ARRIVAL, RequestGuard
 from quill.server.infill import InfillRequest, create_infill
 from quill.server.messages.protocol import CountTokensRequest, MessagesRequest
 from quill.server.messages.routes import install_messages
+from quill.server.models.catalog import ModelEntry
+from quill.server.models.memory import process_tree_rss
+from quill.server.ollama.routes import install_ollama, install_ollama_models, running
 from quill.server.openapi import install_openapi
 from quill.server.protocol import (
     ChatCompletionRequest,
@@ -173,6 +177,11 @@ def build_app(ctx: ServerContext) -> FastAPI:
     store = ResponseStore(ctx.responses_store_bytes, ctx.responses_store_ttl)
     install_responses(v1, ctx, parse, arrival, store)
     install_messages(v1, ctx, parse, arrival)
+    entry = ModelEntry(ctx.model_name, Path(ctx.engine.info.model_path))
+    install_ollama(app, ctx, parse, arrival, entry)
+    install_ollama_models(
+        app, lambda: [entry], lambda: [running(entry, process_tree_rss(ctx.engine.pid), None, ctx)]
+    )
     app.state.responses = store
     app.include_router(v1)
 

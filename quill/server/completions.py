@@ -21,7 +21,7 @@ from quill.frontend.infill import infill_prompt
 from quill.frontend.tokenizer import Tokenizer
 from quill.server.context import ServerContext
 from quill.server.generation import Generation, sse, unless_disconnected
-from quill.server.kv_transfer import kv_transfer
+from quill.server.kv_transfer import KVTransfer, kv_transfer
 from quill.server.logprobs import TextOffsets, join, legacy_logprobs, vllm_prompt_logprobs
 from quill.server.protocol import CompletionRequest
 
@@ -32,6 +32,41 @@ async def create_completion(
     ctx: ServerContext, req: CompletionRequest, raw: Request, arrival_time: float
 ) -> Response | dict:
     model = ctx.check_model(req.model)
+    prompts = req.prompts()
+    tok, special = ctx.tokenizer, req.add_special_tokens is not False
+    n = req.num_choices
+    scoring = req.max_tokens_asked == 0 or req.prompt_logprobs is not None
+    kv = kv_transfer(
+        ctx, req.kv_transfer_params, len(prompts), n, bool(req.stream), req.echo, scoring
+    )
+    gen, token_prompts = await start_completion(ctx, req, raw, arrival_time, kv)
+    echo_scored = bool(req.echo) and req.logprobs is not None
+    echoes = [_Echo(tok, p, ids, special, echo_scored) for p, ids in zip(prompts, token_prompts)]
+    if req.echo:
+        await asyncio.to_thread(lambda: [e.render() for e in echoes])
+    fmt = _Formatter(gen, model, tok, req, [echoes[i // n] for i in range(gen.num_choices)])
+    if req.stream:
+        chunks = fmt.stream(req.include_usage, req.continuous_usage)
+        return gen.stream(chunks)
+    reply = await unless_disconnected(raw, gen, fmt.collect)
+    if kv is not None and isinstance(reply, dict):
+        reply["kv_transfer_params"] = kv.reply(gen)
+    return gen.respond(reply)
+
+
+async def start_completion(
+    ctx: ServerContext,
+    req: CompletionRequest,
+    raw: Request,
+    arrival_time: float,
+    kv: KVTransfer | None = None,
+    prefix: str = "cmpl",
+    default_max_tokens: int | None = _DEFAULT_MAX_TOKENS,
+) -> tuple[Generation, list[list[int]]]:
+    """The one way a text prompt reaches the engine, whichever API it came through
+    (completions; Ollama's raw generate): tokenized (or its infill prompt), truncated, its
+    limits checked, submitted. Returns the generation and the prompts' token ids.
+    `default_max_tokens` None: the reply may run to the end of the context."""
     prompts = req.prompts()
     tok = ctx.tokenizer
     # Before tokenizing: a text too long for the context in any tokenization.
@@ -49,36 +84,22 @@ async def create_completion(
             ids = [tok.encode(p, special) if isinstance(p, str) else list(p) for p in prompts]
         return [req.truncate(i, ctx.max_model_len) for i in ids]
 
-    n = req.num_choices
-    scoring = req.max_tokens_asked == 0 or req.prompt_logprobs is not None
-    kv = kv_transfer(
-        ctx, req.kv_transfer_params, len(prompts), n, bool(req.stream), req.echo, scoring
-    )
     token_prompts = await asyncio.to_thread(encode)
     num_scored = req.num_prompt_logprobs
     params = [
-        req.sampling_params(_DEFAULT_MAX_TOKENS, req.logprobs, j, num_scored) for j in range(n)
+        req.sampling_params(default_max_tokens, req.logprobs, j, num_scored)
+        for j in range(req.num_choices)
     ]
     scheduling = req.scheduling()
     if kv is not None:
         params = [kv.sampling_params(p) for p in params]
         scheduling |= kv.scheduling()
-    gen = Generation.for_request(ctx, "cmpl", arrival_time, req, raw)
+    gen = Generation.for_request(ctx, prefix, arrival_time, req, raw)
     echo_scored = bool(req.echo) and req.logprobs is not None
     await gen.submit(
         token_prompts, params, scheduling, "logprobs" if echo_scored else "prompt_logprobs"
     )
-    echoes = [_Echo(tok, p, ids, special, echo_scored) for p, ids in zip(prompts, token_prompts)]
-    if req.echo:
-        await asyncio.to_thread(lambda: [e.render() for e in echoes])
-    fmt = _Formatter(gen, model, tok, req, [echoes[i // n] for i in range(gen.num_choices)])
-    if req.stream:
-        chunks = fmt.stream(req.include_usage, req.continuous_usage)
-        return gen.stream(chunks)
-    reply = await unless_disconnected(raw, gen, fmt.collect)
-    if kv is not None and isinstance(reply, dict):
-        reply["kv_transfer_params"] = kv.reply(gen)
-    return gen.respond(reply)
+    return gen, token_prompts
 
 
 class _Echo:

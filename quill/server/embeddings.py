@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 from starlette.requests import Request
+from starlette.responses import Response
 
 from quill.contract.errors import InvalidRequestError
+from quill.contract.pooling import PoolingParams
 from quill.contract.sampling_params import SamplingParams
 from quill.server.context import ServerContext
 from quill.server.errors import APIError, renamed
@@ -70,23 +73,47 @@ async def create_embedding(
     ctx: ServerContext, req: EmbeddingRequest, raw: Request, arrival_time: float
 ) -> dict:
     model = ctx.check_model(req.model)
+    pooling = ctx.pooling.params(req.dimensions, req.normalize)
+    k = req.truncate_prompt_tokens
+    k = ctx.max_model_len if k == -1 else k
+    cut = None if k is None else (lambda ids: ids[-k:])  # vLLM keeps a prompt's last k tokens
+    special = req.add_special_tokens is not False
+    result = await embed(ctx, req.inputs(), pooling, raw, arrival_time, cut, special,
+                         req.priority or 0)  # fmt: skip
+    if isinstance(result, Response):
+        return result
+    vectors, tokens = result
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+            for i, v in enumerate(vectors)]  # fmt: skip
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+async def embed(
+    ctx: ServerContext,
+    inputs: list[str | list[int]],
+    pooling: PoolingParams,
+    raw: Request,
+    arrival_time: float,
+    cut: Callable[[list[int]], list[int]] | None = None,
+    special: bool = True,
+    priority: int = 0,
+) -> tuple[list[list[float]], int] | Response:
+    """The one way texts become embeddings, whichever API asked (OpenAI's, Ollama's): each
+    input one pooling request (`cut` shortens its token ids), all batched with whatever else
+    runs. Returns the vectors in input order and the prompt tokens, or the response a
+    disconnected client gets."""
     tok = ctx.tokenizer
-    inputs = req.inputs()
     for text in inputs:
         if isinstance(text, str):
-            ctx.check_prompt_length(text, "input")
+            if cut is None:
+                ctx.check_prompt_length(text, "input")
             if not text:
                 raise InvalidRequestError("input must not be an empty string", param="input")
-    pooling = ctx.pooling.params(req.dimensions, req.normalize)
 
     def tokenized() -> list[list[int]]:
-        special = req.add_special_tokens is not False
         ids = [tok.encode(t, special) if isinstance(t, str) else t for t in inputs]
-        k = req.truncate_prompt_tokens
-        if k is not None:
-            k = ctx.max_model_len if k == -1 else k
-            ids = [i[-k:] for i in ids]
-        return ids
+        return ids if cut is None else [cut(i) for i in ids]
 
     prompts = await asyncio.to_thread(tokenized)
     params = SamplingParams(max_tokens=0, pooling=pooling)
@@ -94,22 +121,15 @@ async def create_embedding(
         ctx, ctx.request_id("embd"), arrival_time, None, raw.headers.get("x-request-id")
     )
     try:
-        await gen.submit(prompts, [params], {"priority": req.priority or 0})
+        await gen.submit(prompts, [params], {"priority": priority})
     except InvalidRequestError as e:
         raise renamed(e, _PARAMS) from None
     except APIError as e:
         raise (renamed(e, _PARAMS) if e.status_code < 500 else e) from None
 
-    async def collect() -> dict:
+    async def collect() -> tuple[list[list[float]], int]:
         async for _ in gen.outputs():
             pass
-        data = [
-            {"object": "embedding", "index": i,
-             "embedding": _encode(gen.finished[i].embedding, req.encoding_format)}
-            for i in range(len(prompts))
-        ]  # fmt: skip
-        tokens = sum(gen.prompt_lens)
-        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-        return {"object": "list", "data": data, "model": model, "usage": usage}
+        return [gen.finished[i].embedding for i in range(len(prompts))], sum(gen.prompt_lens)
 
     return await unless_disconnected(raw, gen, collect)

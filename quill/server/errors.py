@@ -1,6 +1,7 @@
-"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, and on the
+"""API errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, on the
 paths of Anthropic's Messages API in Anthropic's: {"type": "error", "error": {"type",
-"message"}}, its type named after the status (`ANTHROPIC_TYPES`).
+"message"}}, its type named after the status (`ANTHROPIC_TYPES`), and on Ollama's (/api/...)
+in Ollama's: {"error": "message"}.
 
 Every failure a client can cause maps to a 4xx with that body; anything else becomes a 500 with
 the same shape and no traceback (the traceback goes to the server's log).
@@ -49,6 +50,9 @@ class APIError(Exception):
         """The error's body in the shape of the API at `path`."""
         if is_anthropic(path):
             return anthropic_body(self.status_code, self.message)
+        if path.startswith(OLLAMA_PREFIX):  # Ollama's: the message alone, the field named in it
+            named = self.param and self.param not in self.message
+            return {"error": f"{self.param}: {self.message}" if named else self.message}
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self, path: str = "") -> JSONResponse:
@@ -60,6 +64,7 @@ class APIError(Exception):
 
 
 ANTHROPIC_PATH = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
 ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
