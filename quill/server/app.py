@@ -63,11 +63,18 @@ def _respond(result) -> Response:
     return result if isinstance(result, Response) else JSONResponse(result)
 
 
-def build_app(ctx: ServerContext) -> FastAPI:
-    """The app for one engine; the engine thread starts and stops with the app's lifespan."""
+def build_app(
+    ctx: ServerContext, manage_engine: bool = True, store: ResponseStore | None = None
+) -> FastAPI:
+    """The app for one engine; the engine starts and stops with the app's lifespan (unless
+    `manage_engine` is false: a multi-model server's pool starts and stops it). `store`: the
+    Responses API's store, when several apps share one."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if not manage_engine:
+            yield
+            return
         await ctx.engine.start()
         try:
             yield
@@ -174,7 +181,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     async def get_model(model_id: str) -> dict:
         return model_card(ctx.check_model(model_id))
 
-    store = ResponseStore(ctx.responses_store_bytes, ctx.responses_store_ttl)
+    store = store or ResponseStore(ctx.responses_store_bytes, ctx.responses_store_ttl)
     install_responses(v1, ctx, parse, arrival, store)
     install_messages(v1, ctx, parse, arrival)
     entry = ModelEntry(ctx.model_name, Path(ctx.engine.info.model_path))

@@ -5,7 +5,8 @@ One ASGI layer, outermost, so that no route can forget a check:
   as a Bearer header, as Anthropic's `x-api-key` header, or as the console's cookie
   (quill/server/console/routes.py); a page opened without it gets the sign-in page;
 - refusals in the shape of the API the path belongs to (quill/server/errors.py);
-- the body's media type: JSON, or none given (curl without -H). Anything else is a 415; this
+- the body's media type: JSON, or none given (curl without -H); on Ollama's paths also curl's
+  form type without an Origin (Ollama's documented `curl -d`). Anything else is a 415; this
   also keeps a web page from posting a "simple" text/plain request to a server on localhost,
   which a browser would send without asking;
 - the body's size, from Content-Length before reading and counted while reading (413);
@@ -49,6 +50,15 @@ REQUEST_ID = "x-request-id"
 
 def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode()).digest()
+
+
+def _curl_to_ollama(path: str, headers: dict) -> bool:
+    """Ollama's documented `curl URL -d '{...}'` sends a form's media type; on Ollama's paths
+    it is read as JSON when no web page sent it (no Origin header: a browser always sends one
+    on a cross-site POST)."""
+    media = (headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    return (path.startswith("/api/") and media == "application/x-www-form-urlencoded"
+            and "origin" not in headers)  # fmt: skip
 
 
 def is_json_media_type(content_type: str | None) -> bool:
@@ -151,7 +161,9 @@ class RequestGuard:
                 )
         if scope["method"] not in _BODY_METHODS:
             return None
-        if not is_json_media_type(headers.get("content-type")):
+        if not is_json_media_type(headers.get("content-type")) and not _curl_to_ollama(
+            scope["path"], headers
+        ):
             return _error(
                 415,
                 f"Content-Type {headers['content-type']!r} is not supported; send the body as "

@@ -30,6 +30,11 @@ from quill.frontend.scoring import scorer_for
 from quill.server.app import build_app
 from quill.server.console.routes import DEFAULT_FIGURE_DIRS
 from quill.server.context import ServerContext
+from quill.server.models.serve import (
+    add_model_pool_arguments,
+    build_multi_server,
+    is_multi_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +106,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="longest regular expression or grammar a request may give as text; past it, 400",
     )
     add_chat_format_arguments(parser)
+    add_model_pool_arguments(parser)
     parser.add_argument(
         "--request-body-timeout",
         type=float,
@@ -265,7 +271,6 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
     """Load the engine (slow) and wrap it in an app and a server; nothing is bound yet."""
     from quill.config import EngineConfig
     from quill.server.engine_client import EngineClient
-    from quill.server.metrics import ServerMetrics
 
     options = engine_options(args)
     if args.role == "prefill" and options["kv_transfer_port"] is None:
@@ -274,9 +279,29 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
     engine = EngineClient(config, log_level=args.log_level, api_core=args.api_core)
     info = engine.start_process()
     names = args.served_model_name or [args.model or Path(info.model_path).name]
+    ctx = make_context(args, engine, names)
+    config = uvicorn.Config(
+        build_app(ctx),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        access_log=not args.no_access_log,
+        lifespan="on",
+        timeout_graceful_shutdown=10,  # a backstop: drained streams end within one step
+        timeout_keep_alive=5,
+    )
+    return QuillServer(config, ctx, announce)
+
+
+def make_context(args: argparse.Namespace, engine, names: list[str]) -> ServerContext:
+    """What every route of one model's app needs, from `quill serve`'s flags and its started
+    engine (`engine.info` set)."""
+    from quill.server.metrics import ServerMetrics
+
+    info = engine.info
     metrics = ServerMetrics(names[0])
     engine.metrics = metrics
-    ctx = ServerContext(
+    return ServerContext(
         engine=engine,
         metrics=metrics,
         served_model_names=names,
@@ -304,17 +329,6 @@ def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer
         pooling=(pooling := PoolingConfig.read(info.model_path, info.encoder)),
         scorer=scorer_for(info.task, engine.tokenizer, pooling, info.cross_encoder),
     )
-    config = uvicorn.Config(
-        build_app(ctx),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        access_log=not args.no_access_log,
-        lifespan="on",
-        timeout_graceful_shutdown=10,  # a backstop: drained streams end within one step
-        timeout_keep_alive=5,
-    )
-    return QuillServer(config, ctx, announce)
 
 
 def add_chat_format_arguments(parser: argparse.ArgumentParser) -> None:
@@ -394,6 +408,19 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"quill serve: {e}", file=sys.stderr)
             return 2
         return run_local(args, getattr(args, "argv", [])[1:])
+    if is_multi_model(args):
+        if args.served_model_name or args.role != "both":
+            print("quill serve: with --model / --model-dir each model is named by its flag "
+                  "and serves whole requests (no --served-model-name, no --role)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            server = build_multi_server(args)
+        except ValueError as e:
+            print(f"quill serve: {e}", file=sys.stderr)
+            return 2
+        server.run()
+        return server.exit_code if server.started else 1
     print(f"quill: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     try:
         server = build_server(args)

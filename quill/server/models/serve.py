@@ -1,0 +1,154 @@
+"""`quill serve --model NAME=PATH ... | --model-dir DIR`: several models behind one address,
+each loaded on its first request (quill/server/models/pool.py, front.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+
+import uvicorn
+
+from quill.server.models.pool import ModelPool, Slot
+from quill.server.models.spec import engine_config, model_entries
+
+
+def add_model_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        metavar="NAME=PATH[:option=value...]",
+        help="serve several models, each loaded on its first request (repeat the flag); "
+        "options are the engine's flags without dashes, e.g. NAME=PATH:quantization=int4",
+    )
+    parser.add_argument(
+        "--model-dir",
+        dest="model_dirs",
+        action="append",
+        metavar="DIR",
+        help="serve every .gguf file and model directory in DIR, by its name",
+    )
+    parser.add_argument(
+        "--max-loaded-models", type=int, default=3, help="models loaded at once (default 3)"
+    )
+    parser.add_argument(
+        "--models-memory",
+        default=None,
+        metavar="BYTES",
+        help="memory the loaded models may hold together (e.g. 12GiB; default: 90%% of the "
+        "memory available at start); the least recently used idle model is unloaded for room",
+    )
+    parser.add_argument(
+        "--idle-unload",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="unload a model nobody used for S seconds (default 300, Ollama's keep_alive; "
+        "-1: never); an Ollama request's keep_alive sets its model's",
+    )
+    parser.add_argument(
+        "--load-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="longest a request waits for its model to load (default 600)",
+    )
+
+
+def is_multi_model(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "models", None) or getattr(args, "model_dirs", None))
+
+
+class MultiModelServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, pool: ModelPool, announce: bool = True) -> None:
+        super().__init__(config)
+        self.pool = pool
+        self.announce = announce
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.base_url: str | None = None
+        self.exit_code = 0
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if not self.started or not self.servers:
+            return
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        self.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        if self.announce:
+            names = ", ".join(self.pool.slots)
+            print(
+                f"quill: serving {names} at {self.base_url} (each loaded on its first "
+                f"request; OpenAI API: {self.base_url}/v1, Ollama's: {self.base_url}/api)"
+            )
+            print("quill: ready (Ctrl-C to stop)", flush=True)  # fmt: skip
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    def request_shutdown(self) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.pool.drain)
+        self.should_exit = True
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            super().handle_exit(sig, frame)
+        else:
+            self.request_shutdown()
+
+
+def build_multi_server(args: argparse.Namespace, announce: bool = True) -> MultiModelServer:
+    """The models' pool and its front; nothing is loaded yet. ValueError for a bad flag."""
+    from quill.engine_args import parse_bytes
+    from quill.server.app import build_app
+    from quill.server.engine_client import EngineClient
+    from quill.server.models.front import build_front
+    from quill.server.responses.store import ResponseStore
+    from quill.server.serve import make_context
+
+    entries = model_entries(args)
+    budget = (parse_bytes(args.models_memory) if args.models_memory
+              else int(0.9 * _available_memory()))  # fmt: skip
+    if args.max_loaded_models < 1:
+        raise ValueError("--max-loaded-models must be at least 1")
+    store = ResponseStore(args.responses_store_size, args.responses_store_ttl)
+
+    def start_engine(slot: Slot) -> EngineClient:
+        return EngineClient(slot.config, log_level=args.log_level, api_core=args.api_core)
+
+    def make_app(slot: Slot, engine: EngineClient):
+        ctx = make_context(args, engine, [slot.entry.name])
+        return ctx, build_app(ctx, manage_engine=False, store=store)
+
+    slots = {e.name: Slot(e, engine_config(e, args)) for e in entries}
+    idle = math.inf if args.idle_unload < 0 else args.idle_unload
+    pool = ModelPool(slots, start_engine, make_app, budget, args.max_loaded_models, idle,
+                     args.load_timeout)  # fmt: skip
+    front = build_front(pool, args.api_key or None, args.max_request_bytes,
+                        args.request_body_timeout, args.metrics_require_key)  # fmt: skip
+    config = uvicorn.Config(front, host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), access_log=not args.no_access_log,
+                            lifespan="on", timeout_graceful_shutdown=10,
+                            timeout_keep_alive=5)  # fmt: skip
+    return MultiModelServer(config, pool, announce)
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
