@@ -75,8 +75,9 @@ def test_two_models_through_the_openai_client(served):
     assert _states(srv.base_url) == {"a": "unloaded", "b": "unloaded", "c": "unloaded",
                                      "broken": "unloaded"}  # fmt: skip
     for name in ("a", "b"):
+        hi = [{"role": "user", "content": "Hi"}]
         reply = client.chat.completions.create(model=name, max_tokens=4, temperature=0,
-                                               messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+                                               messages=hi)  # fmt: skip
         assert reply.model == name and reply.usage.completion_tokens == 4
     assert [m.id for m in client.models.list()] == ["a", "b", "c", "broken"]
     states = _states(srv.base_url)
