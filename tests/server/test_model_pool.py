@@ -104,7 +104,7 @@ def test_alternation_under_a_budget_that_holds_two(served):
     sampler.start()
     client = ollama.Client(host=srv.base_url, headers=HEADERS, timeout=120)
     try:
-        for name in ("a", "b", "c", "a", "b", "c"):
+        for name in ("a", "b", "c", "a"):  # a is unloaded for c, then loaded again
             reply = client.generate(model=name, prompt="Hello", raw=True,
                                     options={"num_predict": 3, "temperature": 0})  # fmt: skip
             assert reply.done and reply.eval_count == 3
@@ -118,7 +118,7 @@ def test_alternation_under_a_budget_that_holds_two(served):
     measured = [pool.slots[n].rss for n in "abc"]
     print("measured MiB:", [m >> 20 for m in measured], "peak", max(samples) >> 20)
     assert 2 * max(measured) <= BUDGET < sum(measured)  # the premise: two fit, three do not
-    assert all(s.loads >= 2 for s in (pool.slots["a"], pool.slots["b"], pool.slots["c"]))
+    assert pool.slots["a"].loads >= 2
     live = {s.ctx.engine.pid for s in pool.loaded()}
     for engine in engines:  # every engine not serving a loaded model has exited
         if engine.pid not in live:

@@ -61,12 +61,18 @@ class _PoolMetrics:
                                      labels=["model_name"])  # fmt: skip
         loads = CounterMetricFamily("quill:model_loads", "Times each model was loaded.",
                                     labels=["model_name"])  # fmt: skip
+        seconds = GaugeMetricFamily("quill:model_load_seconds",
+                                    "How long each model's last load took.",
+                                    labels=["model_name"])  # fmt: skip
         for slot in self.pool.slots.values():
             if slot.state == "loaded":
                 resident.add_metric([slot.entry.name], slot.rss)
             loads.add_metric([slot.entry.name], slot.loads)
+            if slot.loads:
+                seconds.add_metric([slot.entry.name], slot.load_seconds)
         yield resident
         yield loads
+        yield seconds
         families: dict = {}
         for slot in self.pool.loaded():
             for family in slot.ctx.metrics.registry.collect():
