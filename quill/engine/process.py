@@ -299,6 +299,20 @@ class EngineLoop:
             "pid": os.getpid(),
         }
 
+    def _call_cores(self, cpus: list[int]) -> int:
+        """Run on `cpus` from the next step on: every thread of this process pinned to them,
+        one compute thread each (a multi-model server gives a loading model's engine its own
+        cores, quill/server/models/pool.py). Returns the compute threads."""
+        import torch
+
+        for task in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(task), cpus)
+            except OSError:  # a thread that ended meanwhile
+                pass
+        torch.set_num_threads(len(cpus))
+        return torch.get_num_threads()
+
     def _call_pause(self) -> None:
         """Stop stepping (requests still come in) until "resume"."""
         self._paused = True

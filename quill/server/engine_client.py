@@ -174,14 +174,19 @@ class EngineClient:
         self._draining = True
         self.abort_all()
 
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Drain, wait for the aborts to come back (one step), then stop the engine process."""
+    async def stop(self, timeout: float = 10.0, idle: bool = False) -> None:
+        """Drain, wait for the aborts to come back (one step), then stop the engine process.
+        `idle`: nothing is in flight and nothing need be said goodbye to (a multi-model
+        server unloading an idle model for another's room): the process is killed at once,
+        its memory back before the next model loads."""
         self.drain()
         deadline = time.monotonic() + timeout
         while self._sinks and self.is_alive and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self._fail_all("the server is shutting down")
-        if self.is_alive:
+        if idle and self._process is not None and self._process.poll() is None:
+            self._process.kill()
+        elif self.is_alive:
             try:
                 await asyncio.wait_for(self.call("shutdown"), 5)
             except (TimeoutError, EngineFailure):

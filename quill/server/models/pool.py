@@ -14,6 +14,13 @@ asks for it and unloaded when room is needed or nobody used it for a while.
   server's `--idle-unload`, or what the model's last Ollama request said.
 - A load that fails fails the requests waiting on it with its message; the next request tries
   again. An engine that dies unloads its model; the others keep serving.
+- Cores: while a model loads beside loaded ones, the loaded models keep to the first half of
+  the engines' cores (one compute thread each), the loader has them all; afterwards every
+  engine has every core back. With all of them on every core, the threads of the loader and
+  of the serving engines contended for each core and a serving model ran at 0.12x its pace
+  (benchmarks/bench_model_pool.py). The loader is not confined: it times its kernels at
+  start-up for its thread count, and one started on half the cores and widened after served
+  at 0.46x the pace of one started on all of them.
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class ModelPool:
     max_loaded: int
     idle_unload: float = 300.0  # the default keep_alive (s); inf: never
     load_timeout: float = 600.0
+    cpus: list[int] = field(default_factory=list)  # the engines' cores (empty: not split)
     _load_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closed: bool = False
 
@@ -152,12 +160,19 @@ class ModelPool:
                          slot.entry.path, need / (1 << 30))  # fmt: skip
                 started = time.monotonic()
                 engine = self.start_engine(slot)
+                serving = [s for s in self.loaded() if s is not slot]
+                split = len(self.cpus) >= 2 and bool(serving)
+                if split:  # the loaded models keep to the first half of the cores meanwhile
+                    await self._pin(serving, self.cpus[: len(self.cpus) // 2])
                 try:
                     await asyncio.to_thread(engine.start_process, self.load_timeout)
                     await engine.start()
                 except BaseException:
                     engine.join(5)
                     raise
+                finally:
+                    if split:
+                        await self._pin(serving, self.cpus)
                 slot.ctx, slot.app = self.make_app(slot, engine)
                 engine.on_death = lambda message, s=slot: self._died(s, message)
                 slot.rss = 0
@@ -176,6 +191,18 @@ class ModelPool:
             raise
         finally:
             slot.loading = None
+
+    async def _pin(self, slots: list[Slot], cpus: list[int]) -> None:
+        for s in slots:
+            if s.state == "loaded" and s.ctx.engine.is_alive:
+                await self._pin_engine(s.ctx.engine, cpus)
+
+    @staticmethod
+    async def _pin_engine(engine: EngineClient, cpus: list[int]) -> None:
+        try:
+            await asyncio.wait_for(engine.call("cores", list(cpus)), 30)
+        except Exception as e:  # noqa: BLE001 - a slower model, not a failed one
+            log.warning("could not move engine %s to cores %s: %s", engine.pid, cpus, e)
 
     async def _make_room(self, slot: Slot, need: int) -> None:
         """Unload idle models, least recently used first, until `need` more bytes and one
@@ -203,8 +230,9 @@ class ModelPool:
         log.info("model %s: unloading (%s)", slot.entry.name, why)
         ctx = slot.ctx
         slot.estimate()  # its memory as last measured: the next load of it is known
+        idle = not slot.busy
         slot.state, slot.ctx, slot.app = "unloaded", None, None
-        await ctx.engine.stop()
+        await ctx.engine.stop(idle=idle)
 
     def _died(self, slot: Slot, message: str) -> None:
         log.error("model %s: its engine stopped (%s); the next request loads it again",

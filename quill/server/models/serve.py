@@ -111,6 +111,7 @@ def build_multi_server(args: argparse.Namespace, announce: bool = True) -> Multi
     """The models' pool and its front; nothing is loaded yet. ValueError for a bad flag."""
     from quill.engine_args import parse_bytes
     from quill.server.app import build_app
+    from quill.server.cores import split_cores
     from quill.server.engine_client import EngineClient
     from quill.server.models.front import build_front
     from quill.server.responses.store import ResponseStore
@@ -132,8 +133,10 @@ def build_multi_server(args: argparse.Namespace, announce: bool = True) -> Multi
 
     slots = {e.name: Slot(e, engine_config(e, args)) for e in entries}
     idle = math.inf if args.idle_unload < 0 else args.idle_unload
+    # The engines' cores, before any engine starts (starting one may pin this process).
+    cpus = sorted(split_cores(args.api_core)[1] or os.sched_getaffinity(0))
     pool = ModelPool(slots, start_engine, make_app, budget, args.max_loaded_models, idle,
-                     args.load_timeout)  # fmt: skip
+                     args.load_timeout, cpus=cpus)  # fmt: skip
     front = build_front(pool, args.api_key or None, args.max_request_bytes,
                         args.request_body_timeout, args.metrics_require_key)  # fmt: skip
     config = uvicorn.Config(front, host=args.host, port=args.port,
