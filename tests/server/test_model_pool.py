@@ -18,6 +18,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import API_KEY, wait_until
 
 from quill.server.models.memory import process_tree_rss
@@ -126,6 +127,26 @@ def test_alternation_under_a_budget_that_holds_two(served):
     states = _states(srv.base_url)
     assert sorted(n for n, s in states.items() if s == "loaded") == sorted(
         m.model for m in client.ps().models)  # fmt: skip
+
+
+def test_metrics_and_the_console_per_model(served):
+    srv, _ = served
+    http = httpx.Client(base_url=srv.base_url, headers=HEADERS, timeout=120)
+    for name in ("a", "b"):
+        r = http.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200
+    # One exposition, each family once (the parser refuses a family split in two), each
+    # loaded model's series under its model_name, and the pool's own.
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    prompts = families["quill:prompt_tokens"]
+    assert {s.labels["model_name"] for s in prompts.samples if s.value > 0} >= {"a", "b"}
+    assert families["quill:models_loaded"].samples[0].value >= 2
+    assert {s.labels["model_name"] for s in families["quill:model_load_seconds"].samples} >= {
+        "a", "b"}  # fmt: skip
+    for name in ("a", "b"):  # the console's page at /?model=NAME asks for that model's state
+        page = f"{srv.base_url}/?model={name}"
+        state = http.get("/console/state", headers={"Referer": page}).json()
+        assert state["server"]["model"] == name
 
 
 def test_a_model_that_fails_to_load_fails_only_its_requests(served):

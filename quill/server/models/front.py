@@ -8,7 +8,9 @@ the load in a header (Ollama's `load_duration`). The front answers itself what c
 models: `/v1/models` (each with whether it is loaded), Ollama's `/api/tags`, `/api/ps`,
 `/api/version`, `/api/show` (from the files, without loading), `/health`, `/metrics` (every
 loaded model's, merged, and the pool's own), and Ollama's load / unload requests (an empty
-chat or generate; `keep_alive` 0 unloads).
+chat or generate; `keep_alive` 0 unloads). A model's console is at `/?model=NAME` (the page's
+own requests carry it as their Referer); a GET that names no model goes to the most recently
+used loaded one.
 """
 
 from __future__ import annotations
@@ -252,9 +254,15 @@ def _replay(body: bytes, receive):
 
 
 def _query_model(scope) -> str | None:
-    from urllib.parse import parse_qs
+    """A GET's `?model=`, or the one of the page that made it (a console opened at
+    `/?model=NAME` fetches its state with that page as its Referer)."""
+    from urllib.parse import parse_qs, urlsplit
 
     values = parse_qs(scope.get("query_string", b"").decode()).get("model")
+    if values:
+        return values[0]
+    referer = dict(scope.get("headers", [])).get(b"referer", b"").decode("latin-1")
+    values = parse_qs(urlsplit(referer).query).get("model")
     return values[0] if values else None
 
 
