@@ -30,9 +30,11 @@ from quill.server.messages.protocol import CountTokensRequest, MessagesRequest
 from quill.server.messages.routes import install_messages
 from quill.server.models.catalog import ModelEntry
 from quill.server.models.memory import process_tree_rss
-from quill.server.ollama.protocol import ChatRequest as OllamaChatRequest
-from quill.server.ollama.protocol import EmbedRequest as OllamaEmbedRequest
-from quill.server.ollama.protocol import GenerateRequest as OllamaGenerateRequest
+from quill.server.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+)
 from quill.server.ollama.routes import install_ollama, install_ollama_models, running
 from quill.server.openapi import install_openapi
 from quill.server.protocol import (

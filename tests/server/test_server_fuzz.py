@@ -36,6 +36,8 @@ _json = st.recursive(
 
 
 # Fields whose drawn values are mostly a 400 (a random schema, regex, tool or token-id key).
+_RESPONSES_REFUSED = ("conversation", "truncation", "prompt", "context_management",
+                      "max_tool_calls", "background", "previous_response_id")  # fmt: skip
 _MOSTLY_BAD = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "logit_bias", "tools", "tool_choice")  # fmt: skip
 
@@ -76,6 +78,11 @@ def bounded(body, path: str, model: str):
             body.pop("top_logprobs", None)
         if path == "/v1/completions" and len(body) % 2:  # drawn token ids: mostly a 400
             body["prompt"] = "Hello"
+        if path == "/v1/responses":  # fields refused when set (the hostile client's business)
+            for name in _RESPONSES_REFUSED:
+                body.pop(name, None)
+            if body.get("input") in (None, "", []):  # drawn empty or left out: a 400
+                body["input"] = "Hello"
     for name in _CAPPED:
         if isinstance(body.get(name), int) and not isinstance(body[name], bool):
             body[name] = min(body[name], 4)

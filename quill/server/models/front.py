@@ -137,10 +137,10 @@ def build_front(pool: ModelPool, api_key, max_request_bytes, body_timeout,
 
     @app.post("/api/show")
     async def api_show(request: Request) -> dict:
-        from quill.server.ollama.protocol import ShowRequest
+        from quill.server.ollama.protocol import OllamaShowRequest
 
         try:
-            req = ShowRequest.model_validate_json(await request.body())
+            req = OllamaShowRequest.model_validate_json(await request.body())
         except Exception as e:  # a pydantic error or ours: Ollama's 400
             raise APIError(400, str(e).splitlines()[0], param="model") from None
         slot = pool.slot(req.model or req.name)

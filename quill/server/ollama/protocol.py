@@ -75,7 +75,7 @@ def keep_alive_seconds(value: float | str | None) -> float | None:
     return math.inf if value < 0 else float(value)
 
 
-class Options(Lenient):
+class OllamaOptions(Lenient):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: Int64 | None = Field(None, ge=0)
@@ -123,23 +123,23 @@ class Options(Lenient):
         return {k: v for k, v in body.items() if v is not None}
 
 
-class ToolCallFunction(Lenient):
+class OllamaToolCallFunction(Lenient):
     name: str
     arguments: dict[str, Any] | str = Field(default_factory=dict)
     index: int | None = None
 
 
-class ToolCall(Lenient):
-    function: ToolCallFunction
+class OllamaToolCall(Lenient):
+    function: OllamaToolCallFunction
     id: str | None = None
 
 
-class Message(Lenient):
+class OllamaMessage(Lenient):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = ""
     thinking: str | None = None
     images: list[str] | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None
 
@@ -166,16 +166,16 @@ class Message(Lenient):
         return out
 
 
-class Tool(Lenient):
+class OllamaTool(Lenient):
     type: Literal["function"] = "function"
     function: dict
 
 
-class BaseGenerate(Lenient):
+class OllamaBaseGenerate(Lenient):
     model: str = Field(min_length=1)
     stream: bool | None = True
     format: Literal["", "json"] | dict | None = None
-    options: Options | None = None
+    options: OllamaOptions | None = None
     keep_alive: float | str | None = None
     think: bool | Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
@@ -213,9 +213,9 @@ class BaseGenerate(Lenient):
         return {}
 
 
-class ChatRequest(BaseGenerate):
-    messages: list[Message] = Field(default_factory=list)
-    tools: list[Tool] | None = None
+class OllamaChatRequest(OllamaBaseGenerate):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[OllamaTool] | None = None
     # quill's extension (Ollama always lets the model choose): OpenAI's tool_choice.
     tool_choice: Literal["auto", "required", "none"] | dict | None = None
 
@@ -229,7 +229,7 @@ class ChatRequest(BaseGenerate):
         return {k: v for k, v in body.items() if v is not None}
 
 
-class GenerateRequest(BaseGenerate):
+class OllamaGenerateRequest(OllamaBaseGenerate):
     prompt: str | None = None
     suffix: str | None = None
     system: str | None = None
@@ -265,12 +265,12 @@ class GenerateRequest(BaseGenerate):
         return {**self.common(), **self.thinking(), "messages": messages}
 
 
-class EmbedRequest(Lenient):
+class OllamaEmbedRequest(Lenient):
     model: str = Field(min_length=1)
     input: str | list[str]
     truncate: bool | None = True
     dimensions: int | None = Field(None, ge=1)
-    options: Options | None = None
+    options: OllamaOptions | None = None
     keep_alive: float | str | None = None
 
     @property
@@ -285,12 +285,12 @@ class EmbedRequest(Lenient):
         return list(self.input)
 
 
-class LegacyEmbeddingsRequest(Lenient):
+class OllamaLegacyEmbeddingsRequest(Lenient):
     """/api/embeddings, the older one-text endpoint (`ollama.embeddings`)."""
 
     model: str = Field(min_length=1)
     prompt: str
-    options: Options | None = None
+    options: OllamaOptions | None = None
     keep_alive: float | str | None = None
 
     @property
@@ -298,7 +298,7 @@ class LegacyEmbeddingsRequest(Lenient):
         return keep_alive_seconds(self.keep_alive)
 
 
-class ShowRequest(Lenient):
+class OllamaShowRequest(Lenient):
     model: str | None = None
     name: str | None = None  # the older clients' field
     verbose: bool | None = None

@@ -35,11 +35,11 @@ from quill.server.generation import Generation, RequestFailed, unless_disconnect
 from quill.server.models.catalog import ModelEntry
 from quill.server.ollama.protocol import (
     CHAT_PARAMS,
-    ChatRequest,
-    EmbedRequest,
-    GenerateRequest,
-    LegacyEmbeddingsRequest,
-    ShowRequest,
+    OllamaChatRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaLegacyEmbeddingsRequest,
+    OllamaShowRequest,
 )
 from quill.server.protocol import CompletionRequest
 from quill.server.reply_parts import CALL, REASONING, TEXT, PartStream
@@ -146,14 +146,14 @@ def install_ollama(
 
     @router.post("/api/show")
     async def api_show(request: Request) -> dict:
-        req = await parse(request, ShowRequest)
+        req = await parse(request, OllamaShowRequest)
         check(req.model or req.name)
         return show(entry, ctx)
 
     @router.post("/api/chat")
     async def api_chat(request: Request) -> Response:
         t = arrival(request)
-        req = await parse(request, ChatRequest)
+        req = await parse(request, OllamaChatRequest)
         check(req.model)
         if not req.messages:  # Ollama's way to load (or, keep_alive 0, unload) a model
             done = "unload" if req.keep_alive_s == 0 else "load"
@@ -171,7 +171,7 @@ def install_ollama(
     @router.post("/api/generate")
     async def api_generate(request: Request) -> Response:
         t = arrival(request)
-        req = await parse(request, GenerateRequest)
+        req = await parse(request, OllamaGenerateRequest)
         check(req.model)
         if not req.prompt and req.suffix is None:
             done = "unload" if req.keep_alive_s == 0 else "load"
@@ -201,7 +201,7 @@ def install_ollama(
     @router.post("/api/embed")
     async def api_embed(request: Request) -> Response:
         t = arrival(request)
-        req = await parse(request, EmbedRequest)
+        req = await parse(request, OllamaEmbedRequest)
         check(req.model)
         pooling = ctx.pooling.params(req.dimensions, None)
         k = ctx.max_model_len
@@ -218,7 +218,7 @@ def install_ollama(
     @router.post("/api/embeddings")
     async def api_embeddings(request: Request) -> Response:
         t = arrival(request)
-        req = await parse(request, LegacyEmbeddingsRequest)
+        req = await parse(request, OllamaLegacyEmbeddingsRequest)
         check(req.model)
         if not req.prompt:  # the old endpoint answers an empty prompt with an empty vector
             return JSONResponse({"embedding": []})

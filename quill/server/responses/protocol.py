@@ -266,8 +266,8 @@ class ResponsesRequest(Lenient):
             if getattr(self, name) is not None:
                 raise unsupported(f"{name} is", name)
         if self.truncation == "auto":
-            raise unsupported('truncation "auto" is (a conversation past the context is '
-                               "refused, not cut)", "truncation")  # fmt: skip
+            raise InvalidRequestError('truncation "auto" is not supported (a conversation past '
+                                      "the context is refused, not cut)", "truncation")  # fmt: skip
         if self.text is not None and self.text.verbosity not in (None, "medium"):
             raise unsupported("text.verbosity other than medium is", "text.verbosity")
         unknown = sorted(set(self.include or ()) - INCLUDABLE)
