@@ -22,7 +22,7 @@ from quill.distributed.ports import free_port
 from quill.lifetime import child_setup
 from quill.router.app import build_router_app
 from quill.router.instances import DECODE, PREFILL, WHOLE
-from quill.server.serve import CleanExitServer
+from quill.server.uvicorn_server import CleanExitServer
 
 _OWN_FLAGS = {"--disaggregate": 1, "--replicas": 1, "--port": 1, "--host": 1}
 

@@ -11,8 +11,6 @@ answers 503, and a second later the server exits with status 1 for a supervisor 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -35,6 +33,7 @@ from quill.server.models.serve import (
     build_multi_server,
     is_multi_model,
 )
+from quill.server.uvicorn_server import DrainingServer
 
 log = logging.getLogger(__name__)
 
@@ -203,33 +202,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
 
 
-class CleanExitServer(uvicorn.Server):
-    """uvicorn's server, returning from `run` after a signal instead of dying of it.
-
-    uvicorn re-raises a SIGTERM or SIGINT once it has shut down, so its process dies of the
-    signal before the code after `run` (which stops the processes it started) can run. quill
-    has shut down cleanly by then, so it exits 0 instead.
-    """
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        with super().capture_signals():
-            yield
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):
-                captured.clear()
-
-
-class QuillServer(CleanExitServer):
-    """uvicorn's server, plus: drain the engine on the first signal, print a ready line."""
+class QuillServer(DrainingServer):
+    """One model's server: drains its engine on the first signal, exits when it dies."""
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext, announce: bool = True) -> None:
-        super().__init__(config)
+        super().__init__(config, announce)
         self.ctx = ctx
-        self.announce = announce
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.base_url: str | None = None
-        self.exit_code = 0
         ctx.engine.on_death = self._engine_died
 
     def _engine_died(self, message: str) -> None:
@@ -238,33 +216,15 @@ class QuillServer(CleanExitServer):
         if self.loop is not None:
             self.loop.call_later(1.0, self.request_shutdown)
 
-    async def startup(self, sockets=None) -> None:
-        self.loop = asyncio.get_running_loop()
-        await super().startup(sockets=sockets)
-        if not self.started or not self.servers:
-            return
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        self.base_url = f"http://{shown}:{port}"
-        if self.announce:
-            names = ", ".join(self.ctx.served_model_names)
-            print(f"quill: serving {names} at {self.base_url} (OpenAI API: {self.base_url}/v1)")
-            if self.ctx.console:
-                print(f"quill: console at {self.base_url}/ (open it in a browser)")
-            print("quill: ready (Ctrl-C to stop)", flush=True)
+    def drain(self) -> None:
+        self.ctx.engine.drain()
 
-    def request_shutdown(self) -> None:
-        """Thread-safe: end streams in flight, then let uvicorn shut down."""
-        if self.loop is not None and not self.loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.ctx.engine.drain)
-        self.should_exit = True
-
-    def handle_exit(self, sig, frame) -> None:
-        if self.should_exit:
-            super().handle_exit(sig, frame)  # a second signal: uvicorn forces the exit
-        else:
-            self.request_shutdown()
+    def ready_lines(self) -> list[str]:
+        names = ", ".join(self.ctx.served_model_names)
+        lines = [f"quill: serving {names} at {self.base_url} (OpenAI API: {self.base_url}/v1)"]
+        if self.ctx.console:
+            lines.append(f"quill: console at {self.base_url}/ (open it in a browser)")
+        return lines
 
 
 def build_server(args: argparse.Namespace, announce: bool = True) -> QuillServer:

@@ -4,8 +4,6 @@ each loaded on its first request (quill/server/models/pool.py, front.py)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import math
 import os
 
@@ -13,6 +11,7 @@ import uvicorn
 
 from quill.server.models.pool import ModelPool, Slot
 from quill.server.models.spec import engine_config, model_entries
+from quill.server.uvicorn_server import DrainingServer
 
 
 def add_model_pool_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,49 +61,18 @@ def is_multi_model(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "models", None) or getattr(args, "model_dirs", None))
 
 
-class MultiModelServer(uvicorn.Server):
+class MultiModelServer(DrainingServer):
     def __init__(self, config: uvicorn.Config, pool: ModelPool, announce: bool = True) -> None:
-        super().__init__(config)
+        super().__init__(config, announce)
         self.pool = pool
-        self.announce = announce
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.base_url: str | None = None
-        self.exit_code = 0
 
-    async def startup(self, sockets=None) -> None:
-        self.loop = asyncio.get_running_loop()
-        await super().startup(sockets=sockets)
-        if not self.started or not self.servers:
-            return
-        host, port = self.servers[0].sockets[0].getsockname()[:2]
-        self.base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        if self.announce:
-            names = ", ".join(self.pool.slots)
-            print(
-                f"quill: serving {names} at {self.base_url} (each loaded on its first "
-                f"request; OpenAI API: {self.base_url}/v1, Ollama's: {self.base_url}/api)"
-            )
-            print("quill: ready (Ctrl-C to stop)", flush=True)  # fmt: skip
+    def drain(self) -> None:
+        self.pool.drain()
 
-    @contextlib.contextmanager
-    def capture_signals(self):
-        with super().capture_signals():
-            yield
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):
-                captured.clear()
-
-    def request_shutdown(self) -> None:
-        if self.loop is not None and not self.loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.pool.drain)
-        self.should_exit = True
-
-    def handle_exit(self, sig, frame) -> None:
-        if self.should_exit:
-            super().handle_exit(sig, frame)
-        else:
-            self.request_shutdown()
+    def ready_lines(self) -> list[str]:
+        url, names = self.base_url, ", ".join(self.pool.slots)
+        return [f"quill: serving {names} at {url} (each loaded on its first request; OpenAI "
+                f"API: {url}/v1, Ollama's: {url}/api)"]  # fmt: skip
 
 
 def build_multi_server(args: argparse.Namespace, announce: bool = True) -> MultiModelServer:
