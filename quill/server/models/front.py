@@ -199,7 +199,9 @@ class _Dispatch:
         empty = path in _OLLAMA_LOAD_PATHS and not data.get("messages") and not data.get(
             "prompt") and data.get("suffix") is None  # fmt: skip
         if empty and keep == 0:  # Ollama's unload request: nothing to load first
-            await self.pool.unload(slot, "keep_alive 0")
+            self.pool.used_by(slot, 0)  # busy: the idle clock unloads it once it is not
+            if not slot.busy:
+                await self.pool.unload(slot, "keep_alive 0")
             reply = {"model": slot.entry.name, "created_at": now(), "done": True,
                      "done_reason": "unload"}  # fmt: skip
             if path == "/api/chat":
