@@ -223,7 +223,7 @@ class _Dispatch:
             await slot.app({**scope, "headers": headers}, _replay(body, receive), send)
         finally:
             slot.active -= 1
-            self.pool.used_by(slot, None)
+            self.pool.touch(slot)
         if keep == 0 and not slot.busy:
             await self.pool.unload(slot, "keep_alive 0")
 

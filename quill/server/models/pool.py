@@ -240,10 +240,14 @@ class ModelPool:
         slot.error = message
 
     def used_by(self, slot: Slot, keep_alive: float | None) -> None:
-        """A request for the model ended (or began): its idle clock restarts."""
+        """A request for the model began: its idle clock restarts, and its keep_alive is the
+        request's (None: the server's default), as each Ollama request sets it."""
         slot.last_used = time.monotonic()
-        if keep_alive is not None:
-            slot.keep_alive = keep_alive
+        slot.keep_alive = keep_alive
+
+    def touch(self, slot: Slot) -> None:
+        """A request for the model ended: its idle clock restarts."""
+        slot.last_used = time.monotonic()
 
     def expires_at(self, slot: Slot) -> float | None:
         """Wall time the model unloads if nobody uses it (None: never)."""
