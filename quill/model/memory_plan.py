@@ -80,6 +80,11 @@ def available_memory(device) -> int:
 
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
+    return host_available_memory()
+
+
+def host_available_memory() -> int:
+    """The host's memory available now (MemAvailable; 8 GiB where /proc does not say)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):

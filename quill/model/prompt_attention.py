@@ -19,7 +19,6 @@ class PromptGroups:
         starts = [0]
         for n in seq_lens:
             starts.append(starts[-1] + n)
-        self.pad_row = starts[-1]
         groups: list[list[int]] = []
         for i in sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i]):
             if groups and 4 * seq_lens[i] >= 3 * seq_lens[groups[-1][0]]:
@@ -27,8 +26,9 @@ class PromptGroups:
             else:
                 groups.append([i])
         as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        # Each group: (prompts, longest, flat rows gathered (pad_row pads), the valid rows of
-        # the padded output, their flat rows, the key mask (None: none padded)).
+        # Each group: (prompts, longest, flat rows gathered, the valid rows of the padded
+        # output, their flat rows, the key mask (None: none padded)). A padding slot gathers
+        # row 0: as a key it is masked, as a query its output is dropped.
         self.parts = []
         self._windowed: dict[tuple[int, int], torch.Tensor] = {}
         for group in groups:
@@ -36,7 +36,7 @@ class PromptGroups:
             gather, valid, rows = [], [], []
             for j, i in enumerate(group):
                 n, start = seq_lens[i], starts[i]
-                gather += [*range(start, start + n), *[self.pad_row] * (longest - n)]
+                gather += [*range(start, start + n), *[0] * (longest - n)]
                 valid += range(j * longest, j * longest + n)
                 rows += range(start, start + n)
             mask = None
@@ -54,8 +54,6 @@ class PromptGroups:
         before or after it."""
         n, heads, dim = q.shape
         repeat = heads // k.shape[1]
-        pad = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # noqa: E731
-        q, k, v = pad(q), pad(k), pad(v)
         out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)
         for index, (size, longest, gather, valid, rows, mask) in enumerate(self.parts):
             qs, ks, vs = (t[gather].view(size, longest, -1, dim).transpose(1, 2) for t in (q, k, v))

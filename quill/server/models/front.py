@@ -15,6 +15,7 @@ used loaded one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -24,13 +25,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import ValidationError
 
 import quill
 from quill.contract.errors import InvalidRequestError
-from quill.server.errors import APIError, from_invalid, install_error_handlers
+from quill.server.errors import (
+    APIError,
+    from_invalid,
+    from_validation_error,
+    install_error_handlers,
+)
 from quill.server.guard import RequestGuard
 from quill.server.models.pool import ModelPool, Slot
-from quill.server.ollama.protocol import keep_alive_seconds
+from quill.server.ollama.protocol import OllamaShowRequest, keep_alive_seconds
 from quill.server.ollama.routes import (
     LOAD_HEADER,
     install_ollama_models,
@@ -91,8 +98,6 @@ def build_front(pool: ModelPool, api_key, max_request_bytes, body_timeout,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        import asyncio
-
         clock = asyncio.ensure_future(pool.run_idle_clock())
         try:
             yield
@@ -137,12 +142,10 @@ def build_front(pool: ModelPool, api_key, max_request_bytes, body_timeout,
 
     @app.post("/api/show")
     async def api_show(request: Request) -> dict:
-        from quill.server.ollama.protocol import OllamaShowRequest
-
         try:
             req = OllamaShowRequest.model_validate_json(await request.body())
-        except Exception as e:  # a pydantic error or ours: Ollama's 400
-            raise APIError(400, str(e).splitlines()[0], param="model") from None
+        except ValidationError as e:
+            raise from_validation_error(e) from None
         slot = pool.slot(req.model or req.name)
         return show(slot.entry, slot.ctx)
 

@@ -175,7 +175,6 @@ class ModelPool:
                         await self._pin(serving, self.cpus)
                 slot.ctx, slot.app = self.make_app(slot, engine)
                 engine.on_death = lambda message, s=slot: self._died(s, message)
-                slot.rss = 0
                 slot.rss = process_tree_rss(engine.pid)
                 slot.state, slot.error = "loaded", None
                 slot.loaded_at = slot.last_used = time.monotonic()

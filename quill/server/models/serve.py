@@ -78,6 +78,7 @@ class MultiModelServer(DrainingServer):
 def build_multi_server(args: argparse.Namespace, announce: bool = True) -> MultiModelServer:
     """The models' pool and its front; nothing is loaded yet. ValueError for a bad flag."""
     from quill.engine_args import parse_bytes
+    from quill.model.memory_plan import host_available_memory
     from quill.server.app import build_app
     from quill.server.cores import split_cores
     from quill.server.engine_client import EngineClient
@@ -87,7 +88,7 @@ def build_multi_server(args: argparse.Namespace, announce: bool = True) -> Multi
 
     entries = model_entries(args)
     budget = (parse_bytes(args.models_memory) if args.models_memory
-              else int(0.9 * _available_memory()))  # fmt: skip
+              else int(0.9 * host_available_memory()))  # fmt: skip
     if args.max_loaded_models < 1:
         raise ValueError("--max-loaded-models must be at least 1")
     store = ResponseStore(args.responses_store_size, args.responses_store_ttl)
@@ -112,14 +113,3 @@ def build_multi_server(args: argparse.Namespace, announce: bool = True) -> Multi
                             lifespan="on", timeout_graceful_shutdown=10,
                             timeout_keep_alive=5)  # fmt: skip
     return MultiModelServer(config, pool, announce)
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
