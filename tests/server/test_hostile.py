@@ -2,8 +2,8 @@
 a real `quill serve` process while a victim streams beside them.
 
 What must hold over the whole set: the process never dies, no connection is reset, no reply
-is a 5xx, every refusal is a 4xx in its API's shape (OpenAI's, or Anthropic's on /v1/messages)
-naming a field; the victim's greedy text
+is a 5xx, every refusal is a 4xx in its API's shape (OpenAI's, Anthropic's on /v1/messages,
+Ollama's on /api/) naming a field; the victim's greedy text
 is the same every time (fp32, so batching cannot move it); when it is over nothing waits in
 the queue and no KV block is held.
 """
@@ -22,6 +22,11 @@ from test_server_cli import KEY, ServeProcess
 from quill.server.embeddings import EmbeddingRequest
 from quill.server.errors import ANTHROPIC_TYPES
 from quill.server.messages.protocol import MessagesRequest
+from quill.server.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+)
 from quill.server.protocol import ChatCompletionRequest, CompletionRequest
 from quill.server.responses.protocol import ResponsesRequest
 from quill.server.scoring import RerankRequest, ScoreRequest
@@ -41,6 +46,12 @@ BASE = {COMPLETIONS: {"prompt": "x"}, CHAT: {"messages": USER}, RESPONSES: {"inp
         SCORE: {"text_1": "a", "text_2": "b"}}  # fmt: skip
 CAP = {COMPLETIONS: "max_tokens", CHAT: "max_tokens", RESPONSES: "max_output_tokens",
        MESSAGES: "max_tokens"}  # fmt: skip
+# Ollama's routes: each one's smallest request, its reply capped inside `options` (the model is
+# named at the run, the served one's).
+O_CHAT, O_GENERATE, O_EMBED = "/api/chat", "/api/generate", "/api/embed"
+OLLAMA = {O_CHAT: {"messages": USER, "stream": False, "options": {"num_predict": 2}},
+          O_GENERATE: {"prompt": "x", "stream": False, "options": {"num_predict": 2}},
+          O_EMBED: {"input": "hi"}}  # fmt: skip
 VICTIM = {"prompt": "The history of the printing press", "max_tokens": 24, "temperature": 0,
           "ignore_eos": True, "stream": True}  # fmt: skip
 
@@ -147,6 +158,31 @@ def refusals() -> list[tuple[str, str, dict, str]]:
     return cases
 
 
+def ollama_refusals() -> list[tuple[str, str, dict, str]]:
+    """(case, route, body fields, field the 400 names) on Ollama's routes."""
+    cases = []
+    for schema, why in [(ref_chain(5000), "5000 chained $refs"),
+                        (nested_schema(40), "objects nested 40 deep"),
+                        ({"enum": list(range(200_000))}, "200,000 values")]:  # fmt: skip
+        cases.append((f"{why} in format", O_CHAT, {"format": schema}, "format"))
+        cases.append((f"{why} in format", O_GENERATE, {"format": schema}, "format"))
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        cases.append((f"{why} in tools", O_CHAT, {"tools": [tool], "tool_choice": "required"},
+                      "tools"))  # fmt: skip
+    deep = nested_text(100_000)
+    call = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}
+    cases += [
+        ("deep call arguments", O_CHAT,
+         {"messages": [*USER, call, {"role": "tool", "content": "ok"}]}, "messages"),
+        ("an image", O_CHAT, {"messages": [{**USER[0], "images": ["aGk="]}]}, "images"),
+        ("mirostat", O_GENERATE, {"options": {"mirostat": 2, "num_predict": 2}}, "mirostat"),
+        ("keep_alive that is no duration", O_GENERATE, {"keep_alive": "for ever"}, "keep_alive"),
+        ("a huge input list", O_EMBED, {"input": ["x"] * 5000}, "input"),
+        ("a template", O_GENERATE, {"template": "{{ .Prompt }}"}, "template"),
+    ]  # fmt: skip
+    return cases
+
+
 def accepted() -> list[tuple[str, str, dict]]:
     """Requests that must be served (they broke servers, or were refused, before)."""
     return [
@@ -180,6 +216,15 @@ def wrong_types() -> list[tuple[str, str, dict, str]]:
             name = model.model_fields[field].alias or field
             if route == RESPONSES and name == CAP.get(route) and value is None:
                 continue  # no other field caps the reply: it would run to the context's end
+            cases.append((f"{route} {name}={value!r}", route, {name: value}, name))
+    ollama = ((O_CHAT, OllamaChatRequest), (O_GENERATE, OllamaGenerateRequest),
+              (O_EMBED, OllamaEmbedRequest))  # fmt: skip
+    for (route, model), value in itertools.product(ollama, fewer):
+        for name in sorted(model.model_fields):
+            if name == "options" and value is None:
+                continue  # the cap lives in options: none would run to the context's end
+            if name == "options" and isinstance(value, dict):
+                value = {**value, "num_predict": 2}
             cases.append((f"{route} {name}={value!r}", route, {name: value}, name))
     return cases
 
@@ -235,13 +280,17 @@ class Victim:
 
 
 def check_reply(r: httpx.Response, case: str, param: str | None = None) -> None:
-    if r.status_code == 503 and r.json()["error"]["code"] == "overloaded":
+    error = r.json().get("error") if r.status_code >= 400 else None
+    if r.status_code == 503 and isinstance(error, dict) and error["code"] == "overloaded":
         assert r.headers["retry-after"], case  # a tiny ttft_slo_ms: shed, by design
         return
     assert r.status_code < 500, (case, r.status_code, r.text[:300])
     if r.status_code >= 400:
         body = r.json()
-        error = body["error"]
+        if r.url.path.startswith("/api/"):  # Ollama's shape: the message, naming the field
+            assert set(body) == {"error"} and isinstance(error, str) and error, (case, body)
+            assert param is None or param in error, (case, error)
+            return
         if body.get("type") == "error":  # Anthropic's shape: no param, the message names it
             assert set(body) == {"type", "error"} and set(error) == {"type", "message"}, body
             assert error["type"] == ANTHROPIC_TYPES[r.status_code] and error["message"], error
@@ -255,6 +304,7 @@ def check_reply(r: httpx.Response, case: str, param: str | None = None) -> None:
 
 def test_hostile_requests_leave_the_server_and_its_other_clients_alone(served):
     proc, http = served
+    model = http.get("/v1/models").json()["data"][0]["id"]
     alone = stream_text(http, VICTIM)
     victim = Victim(str(http.base_url))
     sent = 0
@@ -274,15 +324,21 @@ def test_hostile_requests_leave_the_server_and_its_other_clients_alone(served):
         if field == limit and route in (COMPLETIONS, CHAT):
             limit = "max_completion_tokens"
         cap = {limit: 2} if limit else {}
-        r = http.post(route, json={**BASE[route], **cap, **body})
+        base = {**OLLAMA[route], "model": model} if route in OLLAMA else BASE[route]
+        r = http.post(route, json={**base, **cap, **body})
         check_reply(r, case)
-        if route != MESSAGES:
+        if route != MESSAGES and route not in OLLAMA:
             assert r.status_code not in range(400, 500) or r.json()["error"]["param"], case
         sent += 1
     # The console's sign-in and the cookie: nested bodies, a quoted cookie of backslashes.
     for body in (nested_text(100_000), '{"api_key": ' + nested_text(150) + "}", "[]", '"k"'):
         r = http.post("/console/login", content=body, headers={"Content-Type": "application/json"})
         check_reply(r, "console login", "api_key")
+        sent += 1
+    for case, route, body, param in ollama_refusals():
+        r = http.post(route, json={**OLLAMA[route], "model": model, **body})
+        assert r.status_code == 400, (case, r.status_code, r.text[:300])
+        check_reply(r, case, param)
         sent += 1
     cookie = 'quill_console="' + "\\" * 15_000 + '"'
     r = httpx.get(f"{str(http.base_url).rstrip('/')}/v1/models", headers={"Cookie": cookie})

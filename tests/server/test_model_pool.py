@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -17,9 +18,11 @@ from contextlib import contextmanager
 import httpx
 import ollama
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import API_KEY, wait_until
+from server_helpers import API_KEY, still_running, wait_until
+from test_server_cli import KEY, ServeProcess
 
 from quill.server.models.memory import process_tree_rss
 from quill.server.models.serve import build_multi_server
@@ -183,3 +186,31 @@ def test_keep_alive_zero_and_the_idle_clock_unload(served):
                     keep_alive="1s")  # fmt: skip
     wait_until(lambda: "c" not in [m.model for m in client.ps().models], 30)
     assert _states(srv.base_url)["c"] == "unloaded"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_no_engine_outlives_the_multi_model_server(served, sig):
+    """`quill serve --model ... --model ...` with two models loaded: however the server ends,
+    a signal it handles or SIGKILL, both engine processes end within 5 s."""
+    srv, _ = served
+    a, b = (srv.pool.slots[n].entry.path for n in "ab")
+    options = ":dtype=float32:quantization=none:kv_cache_memory=32MiB"
+    process = ServeProcess(f"--model=a={a}{options}", f"--model=b={b}{options}", "--port", "0",
+                           "--no-access-log")  # fmt: skip
+    engines = []
+    try:
+        url = process.ready()
+        for name in "ab":
+            load = {"model": name, "prompt": "", "stream": False}  # Ollama's load request
+            r = httpx.post(f"{url}/api/generate", headers={"Authorization": f"Bearer {KEY}"},
+                           json=load, timeout=120)  # fmt: skip
+            assert r.json()["done_reason"] == "load", r.text
+        engines = psutil.Process(process.proc.pid).children(recursive=True)
+        assert len(engines) == 2, engines
+        process.proc.send_signal(sig)
+        assert not still_running(engines, timeout=5.0)
+        process.proc.wait(5)
+    finally:
+        process.kill()
+        for p in still_running(engines, timeout=0):  # after a failure: none left for later tests
+            p.kill()

@@ -186,6 +186,7 @@ class OllamaBaseGenerate(Lenient):
         if self.logprobs:
             raise InvalidRequestError("logprobs are not supported on Ollama's API (use "
                                       "/v1/chat/completions)", "logprobs")  # fmt: skip
+        keep_alive_seconds(self.keep_alive)  # a bad duration is a 400 on any server
         return self
 
     @property
@@ -276,6 +277,11 @@ class OllamaEmbedRequest(Lenient):
     @property
     def keep_alive_s(self) -> float | None:
         return keep_alive_seconds(self.keep_alive)
+
+    @model_validator(mode="after")
+    def _check(self):
+        keep_alive_seconds(self.keep_alive)
+        return self
 
     def inputs(self) -> list[str]:
         if isinstance(self.input, str):
