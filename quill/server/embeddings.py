@@ -92,17 +92,20 @@ async def create_embedding(
 async def embed(
     ctx: ServerContext,
     inputs: list[str | list[int]],
-    pooling: PoolingParams,
+    pooling: PoolingParams | list[PoolingParams],
     raw: Request,
     arrival_time: float,
     cut: Callable[[list[int]], list[int]] | None = None,
     special: bool = True,
     priority: int = 0,
+    names: dict[str, str] = _PARAMS,
+    prefix: str = "embd",
 ) -> tuple[list[list[float]], int] | Response:
-    """The one way texts become embeddings, whichever API asked (OpenAI's, Ollama's): each
-    input one pooling request (`cut` shortens its token ids), all batched with whatever else
-    runs. Returns the vectors in input order and the prompt tokens, or the response a
-    disconnected client gets."""
+    """The one way inputs become pooled vectors, whichever API asked (OpenAI's and Ollama's
+    embeddings, the scoring routes): each input one pooling request (`pooling` one for all or
+    one an input; `cut` shortens its token ids), all batched with whatever else runs; the
+    engine's errors name the fields as `names` map them. Returns the vectors in input order
+    and the prompt tokens, or the response a disconnected client gets."""
     tok = ctx.tokenizer
     for text in inputs:
         if isinstance(text, str):
@@ -116,16 +119,17 @@ async def embed(
         return ids if cut is None else [cut(i) for i in ids]
 
     prompts = await asyncio.to_thread(tokenized)
-    params = SamplingParams(max_tokens=0, pooling=pooling)
+    each = pooling if isinstance(pooling, list) else [pooling]
+    params = [SamplingParams(max_tokens=0, pooling=p) for p in each]
     gen = Generation(
-        ctx, ctx.request_id("embd"), arrival_time, None, raw.headers.get("x-request-id")
+        ctx, ctx.request_id(prefix), arrival_time, None, raw.headers.get("x-request-id")
     )
     try:
-        await gen.submit(prompts, [params], {"priority": priority})
+        await gen.submit(prompts, params, {"priority": priority}, zipped=len(params) > 1)
     except InvalidRequestError as e:
-        raise renamed(e, _PARAMS) from None
+        raise renamed(e, names) from None
     except APIError as e:
-        raise (renamed(e, _PARAMS) if e.status_code < 500 else e) from None
+        raise (renamed(e, names) if e.status_code < 500 else e) from None
 
     async def collect() -> tuple[list[list[float]], int]:
         async for _ in gen.outputs():

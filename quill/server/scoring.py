@@ -17,13 +17,13 @@ import time
 
 from pydantic import Field, model_validator
 from starlette.requests import Request
+from starlette.responses import Response
 
 from quill.contract.errors import InvalidRequestError
-from quill.contract.sampling_params import SamplingParams
 from quill.server.context import ServerContext
-from quill.server.errors import APIError, renamed
+from quill.server.embeddings import embed
+from quill.server.errors import APIError
 from quill.server.fields import INT64_MAX, Lenient
-from quill.server.generation import Generation, unless_disconnected
 
 
 class RerankDocument(Lenient):
@@ -79,24 +79,13 @@ async def _score(
     for q, d in pairs:
         ctx.check_prompt_length(q + d, param)
     inputs = await asyncio.to_thread(scorer.inputs, ctx.tokenizer, pairs, req.instruction)
-    gen = Generation.for_request(ctx, "score", arrival_time, req, raw)
-    try:
-        await gen.submit([ids for ids, _ in inputs],
-                         [SamplingParams(max_tokens=0, pooling=p) for _, p in inputs],
-                         zipped=True)  # fmt: skip
-    except InvalidRequestError as e:
-        raise renamed(e, {"prompt": param}) from None
-    except APIError as e:
-        raise (renamed(e, {"prompt": param, "n": param}) if e.status_code < 500 else e) from None
-
-    async def collect() -> list[float]:
-        async for _ in gen.outputs():
-            pass
-        pooled = [gen.finished[i].embedding for i in range(len(inputs))]
-        return scorer.scores(pairs, pooled)
-
-    scores = await unless_disconnected(raw, gen, collect)
-    return scores, sum(gen.prompt_lens)
+    result = await embed(ctx, [ids for ids, _ in inputs], [p for _, p in inputs], raw,
+                         arrival_time, names={"prompt": param, "n": param},
+                         prefix="score")  # fmt: skip
+    if isinstance(result, Response):
+        return result, 0  # the client left
+    pooled, tokens = result
+    return scorer.scores(pairs, pooled), tokens
 
 
 async def create_rerank(ctx: ServerContext, req: RerankRequest, raw: Request, t: float):
