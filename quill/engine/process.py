@@ -301,8 +301,8 @@ class EngineLoop:
 
     def _call_cores(self, cpus: list[int]) -> int:
         """Run on `cpus` from the next step on: every thread of this process pinned to them,
-        one compute thread each (a multi-model server gives a loading model's engine its own
-        cores, quill/server/models/pool.py). Returns the compute threads."""
+        one compute thread each (a multi-model server keeps its loaded models to half the
+        cores while another loads, quill/server/models/pool.py). Returns the compute threads."""
         import torch
 
         for task in os.listdir("/proc/self/task"):
