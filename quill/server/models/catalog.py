@@ -48,8 +48,9 @@ class ModelEntry:
         return hashlib.sha256(mark.encode()).hexdigest()
 
     @cached_property
-    def _metadata(self) -> tuple[dict, str, str | None]:
-        """(its config.json or the GGUF equivalent, its weight type, its chat template)."""
+    def _metadata(self) -> tuple[dict, str, str | None, int | None]:
+        """(its config.json or the GGUF equivalent, its weight type, its chat template, a GGUF
+        file's weight count), the file read once."""
         try:
             if self.path.is_file():
                 return _gguf_metadata(self.path)
@@ -60,10 +61,10 @@ class ModelEntry:
             tok = self.path / "tokenizer_config.json"
             if tok.is_file():
                 template = json.loads(tok.read_text()).get("chat_template")
-            return config, kind, template if isinstance(template, str) else None
+            return config, kind, template if isinstance(template, str) else None, None
         except (OSError, ValueError, KeyError) as e:
             log.warning("model %s: its metadata could not be read (%s)", self.name, e)
-            return {}, "unknown", None
+            return {}, "unknown", None, None
 
     @property
     def template(self) -> str | None:
@@ -74,9 +75,7 @@ class ModelEntry:
         """The weights' count, from the files' tensor shapes."""
         try:
             if self.path.is_file():
-                from quill.model.gguf_config import open_gguf
-
-                return sum(math.prod(t.shape) for t in open_gguf(self.path).tensors)
+                return self._metadata[3]
             total = 0
             for f in self.path.glob("*.safetensors"):
                 with f.open("rb") as stream:
@@ -91,7 +90,7 @@ class ModelEntry:
 
     def details(self) -> dict:
         """Ollama's `details` object."""
-        config, kind, _ = self._metadata
+        config, kind, _, _ = self._metadata
         family = str(config.get("model_type") or "unknown")
         return {
             "parent_model": "",
@@ -121,7 +120,7 @@ class ModelEntry:
         return self._metadata[0].get("max_position_embeddings")
 
 
-def _gguf_metadata(path: Path) -> tuple[dict, str, str | None]:
+def _gguf_metadata(path: Path) -> tuple[dict, str, str | None, int]:
     from gguf.constants import LlamaFileType
 
     from quill.model.gguf_config import gguf_hf_config, open_gguf
@@ -136,7 +135,8 @@ def _gguf_metadata(path: Path) -> tuple[dict, str, str | None]:
         except ValueError:
             kind = str(file_type)
     template = reader.fields.get("tokenizer.chat_template")
-    return config, kind, template if isinstance(template, str) else None
+    count = sum(math.prod(t.shape) for t in reader.tensors)
+    return config, kind, template if isinstance(template, str) else None, count
 
 
 def _count(num: int | None) -> str:
