@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request a client sends
     if getattr(args, "func", None) is None:
         parser.error("the server is not available")
     try:

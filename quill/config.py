@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -101,6 +101,83 @@ def _positive(d: dict, key: str, default: int | None) -> int:
     return value
 
 
+_KV_EVENTS_DEFAULTS = {  # vLLM's KVEventsConfig, key by key
+    "enable_kv_cache_events": False,
+    "publisher": "null",
+    "endpoint": "tcp://*:5557",
+    "replay_endpoint": None,
+    "buffer_steps": 10_000,
+    "hwm": 100_000,
+    "max_queue_size": 100_000,
+    "topic": "",
+}
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Where the engine publishes its KV-cache events (quill/engine/kv_events.py): vLLM's
+    `--kv-events-config` JSON. `endpoint` is bound (a ZeroMQ PUB socket; `tcp://*:PORT`), as
+    is `replay_endpoint` (a ROUTER socket that resends the last `buffer_steps` batches from a
+    sequence number a subscriber asks for); `data_parallel_rank` offsets both ports."""
+
+    enable_kv_cache_events: bool
+    publisher: str
+    endpoint: str
+    replay_endpoint: str | None
+    buffer_steps: int
+    hwm: int
+    max_queue_size: int
+    topic: str
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def parse(cls, value: dict | str) -> KVEventsConfig:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("kv_events_config must be a JSON object")
+        unknown = sorted(set(value) - set(_KV_EVENTS_DEFAULTS))
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}")
+        d = {**_KV_EVENTS_DEFAULTS, **value}
+        if d["enable_kv_cache_events"] and "publisher" not in value:
+            d["publisher"] = "zmq"  # vLLM's default once events are on
+        if d["publisher"] not in ("null", "zmq"):
+            raise ValueError(
+                f"kv_events_config.publisher must be zmq or null, got {d['publisher']!r}"
+            )
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 1:
+                raise ValueError(f"kv_events_config.{key} must be a positive integer")
+        for key in ("endpoint", "replay_endpoint", "topic"):
+            if d[key] is not None and not isinstance(d[key], str):
+                raise ValueError(f"kv_events_config.{key} must be a string")
+        if not isinstance(d["enable_kv_cache_events"], bool):
+            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false")
+        return cls(**d)
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """The endpoints of data-parallel rank `rank` (ports offset by it, as vLLM does)."""
+        return replace(
+            self,
+            endpoint=_offset_port(self.endpoint, rank),
+            replay_endpoint=_offset_port(self.replay_endpoint, rank),
+        )
+
+
+def _offset_port(endpoint: str | None, rank: int) -> str | None:
+    if endpoint is None or not rank or not endpoint.startswith("tcp://"):
+        return endpoint
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + rank}"
+
+
 class SchedulingPolicy(StrEnum):
     """The order requests are served in (quill/engine/request_queue.py)."""
 
@@ -179,6 +256,17 @@ class EngineConfig:
     # Speculative decoding: vLLM's speculative_config dict, or its JSON text (quill/engine/
     # speculative.py), e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off.
     speculative_config: dict | str | None = None
+    # KV-cache events for prefix-aware routers: vLLM's kv_events_config dict or JSON text
+    # (KVEventsConfig); None: none published.
+    kv_events_config: dict | str | None = None
+    data_parallel_rank: int = 0  # this replica's index among data-parallel ones (events)
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        if self.kv_events_config is None:
+            return None
+        events = KVEventsConfig.parse(self.kv_events_config)
+        return events.for_rank(self.data_parallel_rank) if events.enabled else None
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -242,6 +330,7 @@ class EngineConfig:
                 f"unknown kv_transfer_failure {self.kv_transfer_failure!r} (recompute | fail)"
             )
         self.speculative  # noqa: B018 - parsed now, so a bad dict fails here
+        self.kv_events  # noqa: B018 - as is this one
         if not self.kv_transfer_timeout > 0:
             raise ValueError(
                 f"kv_transfer_timeout must be positive seconds, got {self.kv_transfer_timeout}"

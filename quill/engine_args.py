@@ -148,6 +148,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "fails the request",
     )
 
+    routing = parser.add_argument_group("routing (quill router, and the routers of other stacks)")
+    routing.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV-cache events for prefix-aware routers, as vLLM's JSON: "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558", "topic": "kv-events"}\' (ZeroMQ PUB; msgpack batches in vLLM\'s '
+        "format; block hashes documented in quill/engine/kv_events.py)",
+    )
+    routing.add_argument(
+        "--data-parallel-rank",
+        type=int,
+        default=0,
+        help="this replica's index among data-parallel ones (offsets the KV-event ports)",
+    )
+
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags the scheduler reads; the simulator takes exactly these too."""
@@ -206,6 +223,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         kv_transfer_port=args.kv_transfer_port,
         kv_transfer_timeout=args.kv_transfer_timeout,
         kv_transfer_failure=args.kv_transfer_failure,
+        kv_events_config=args.kv_events_config,
+        data_parallel_rank=args.data_parallel_rank,
     )
 
 

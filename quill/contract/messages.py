@@ -189,6 +189,11 @@ class StepStats:
     kv_transfer: KVTransferStats | None = None  # when this instance has a KV link
     structured: StructuredStats | None = None  # when structured output is on
     spec_decode: SpecDecodeStats | None = None  # when speculative decoding is on
+    # The load routers read (GET /v1/loads): blocks in some table, of how many; the tokens of
+    # every running and waiting request (prompt and output so far).
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_tokens_in_flight: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

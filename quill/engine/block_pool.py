@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from quill.engine.kv_events import HASH_BYTES, KVEventLog
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when more blocks are asked for than the pool has free."""
@@ -33,6 +35,8 @@ class BlockPool:
         # Free blocks in eviction order (an OrderedDict pops and unlinks from the middle in O(1)).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
+        # Told of every first-group block registered or forgotten (quill/engine/kv_events.py).
+        self.events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -84,12 +88,15 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
-    def cache(self, block: int, block_hash: bytes) -> None:
+    def cache(self, block: int, block_hash: bytes) -> bool:
         """Register `block` as holding the full block `block_hash` (its KV is computed, or is
-        computed by the step about to run). A second copy of known content stays unregistered."""
+        computed by the step about to run). A second copy of known content stays unregistered
+        (False)."""
         if block_hash not in self.cached and self.block_hashes[block] is None:
             self.cached[block_hash] = block
             self.block_hashes[block] = block_hash
+            return True
+        return False
 
     def uncache(self, blocks: list[int]) -> None:
         """Forget what these blocks hold (their KV may be wrong: the step that wrote it failed)."""
@@ -100,5 +107,8 @@ class BlockPool:
                     self._free.move_to_end(b, last=False)
 
     def _uncache(self, block: int) -> None:
-        del self.cached[self.block_hashes[block]]
+        block_hash = self.block_hashes[block]
+        del self.cached[block_hash]
         self.block_hashes[block] = None
+        if self.events is not None and len(block_hash) == HASH_BYTES:
+            self.events.removed(block_hash)

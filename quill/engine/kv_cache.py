@@ -192,11 +192,16 @@ class KVCacheManager:
         if full <= done or not self.enable_prefix_caching:
             return
         hashes = self.block_hashes(request, full)
-        cache, key = self.pool.cache, self._key
+        cache, key, events = self.pool.cache, self._key, self.pool.events
         for g, table in enumerate(self.block_tables[rid]):
             for i in range(done, full):
-                if table[i] != NULL_BLOCK:
-                    cache(table[i], key(g, hashes[i]))
+                if table[i] != NULL_BLOCK and cache(table[i], key(g, hashes[i])) and g == 0:
+                    if events is not None:
+                        parent = hashes[i - 1] if i else (chain_root(request.cache_salt) or None)
+                        size = self.block_size
+                        events.stored(
+                            hashes[i], parent, request.token_ids_slice(i * size, (i + 1) * size)
+                        )
         self._num_registered[rid] = full
 
     # -- tables ---------------------------------------------------------------------------

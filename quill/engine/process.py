@@ -46,6 +46,7 @@ from quill.contract.messages import (
     UtilityCall,
     UtilityResult,
 )
+from quill.engine.kv_events import HASH_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -292,10 +293,18 @@ class EngineLoop:
 
     def _call_state(self) -> dict:
         sched = self.worker.scheduler
+        kv = sched.kv
         return {
             "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
             "num_unscheduled": self.worker.num_unscheduled,
-            "kv_cache_usage": sched.kv.usage,
+            "kv_cache_usage": kv.usage,
+            "kv_blocks_used": kv.num_blocks - kv.pool.num_free_blocks,
+            "kv_blocks_total": kv.num_blocks,
+            "prefix_cache_queries": kv.stats.queries,
+            "prefix_cache_hits": kv.stats.hits,
+            # First-group blocks the prefix cache holds: those KV-cache events tell of.
+            "prefix_cached_blocks": sum(1 for h in kv.pool.cached if len(h) == HASH_BYTES),
             "pid": os.getpid(),
         }
 

@@ -125,6 +125,14 @@ class EngineWorker:
             f"; TTFT SLO {config.max_ttft_slo * 1000:g} ms" if config.max_ttft_slo else "",
         )
         self.clock = self.core.clock
+        self.kv_events = None
+        events = config.kv_events
+        if events is not None and kv.enable_prefix_caching:
+            from quill.engine.kv_event_publisher import KVEventPublisher
+            from quill.engine.kv_events import KVEventLog
+
+            kv.pool.events = KVEventLog(config.block_size)
+            self.kv_events = KVEventPublisher(events, config.data_parallel_rank)
         self.kv_server = None
         if config.tensor_parallel_size == 1 and not encoder:  # disaggregation: single-rank decoders
             from quill.disagg.fetch import KVFetcher
@@ -240,6 +248,8 @@ class EngineWorker:
             close()
         if self.core.structured is not None:
             self.core.structured.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     @property
     def num_unscheduled(self) -> int:
@@ -259,9 +269,9 @@ class EngineWorker:
         for request in out.finished:
             updates.append(self._update(request, out, final=True))
         stats = out.stats
+        sched = self.scheduler
+        kv = sched.kv
         if stats is None:  # no model pass: the queues may still have changed
-            sched = self.scheduler
-            kv = sched.kv
             stats = StepStats(0, 0, 0, sched.num_running, sched.num_waiting, kv.usage, 0, 0.0,
                               kv.stats.queries, kv.stats.hits)  # fmt: skip
         elif self.accountant is not None:
@@ -284,6 +294,15 @@ class EngineWorker:
             self.kv_server is not None or fetcher.links or fetcher.num_failed
         ):
             stats.kv_transfer = self._kv_transfer_stats(fetcher)
+        stats.kv_blocks_used = kv.num_blocks - kv.pool.num_free_blocks
+        stats.kv_blocks_total = kv.num_blocks
+        stats.num_tokens_in_flight = sum(r.num_tokens for r in sched.running) + sum(
+            r.num_tokens for r in sched.waiting
+        )
+        if self.kv_events is not None:
+            events = kv.pool.events.drain()
+            if events:
+                self.kv_events.publish(events)
         matchers = self.core.structured
         if matchers is not None and matchers.num_compiled:
             stats.structured = StructuredStats(

@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
+import os
 
 import httpx
 import uvicorn
@@ -20,7 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from quill.router.instances import DECODE, PREFILL, WHOLE, Instances
+from quill.router.policies import POLICIES, CacheAwareSettings, make_policy
+from quill.router.prompt_blocks import PromptBlocks
 from quill.router.proxy import CHAT, COMPLETIONS, Router, error
+
+log = logging.getLogger(__name__)
 
 
 class RouterMetrics:
@@ -35,15 +41,35 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        self.routed = Counter(
+            "quill_router:routed",
+            "Whole requests by instance and why the policy chose it (cached: its prefix is "
+            "there; uncached / no blocks / imbalanced: by load; round-robin; least-load).",
+            ["instance", "reason"],
+            registry=r,
+        )
 
 
-def build_router_app(urls: dict[str, list[str]], poll_s: float = 0.25) -> Starlette:
-    """`urls`: instance URLs by kind (prefill, decode, whole)."""
-    instances = Instances(urls, poll_s)
+def build_router_app(
+    urls: dict[str, list[str]],
+    poll_s: float = 0.25,
+    policy: str = "least-load",
+    model: str | None = None,
+    settings: CacheAwareSettings | None = None,
+    api_key: str | None = None,
+) -> Starlette:
+    """`urls`: instance URLs by kind (prefill, decode, whole). `policy` picks among whole
+    instances (quill/router/policies.py); `model` (its path) lets the router see requests'
+    prompts as the instances' prefix caches do, for the cache-aware policy. `api_key`: the
+    instances' key, for the router's own calls (clients' requests carry theirs)."""
+    if policy == "cache-aware" and model is None:
+        log.warning("cache-aware routing without the model's tokenizer (--tokenizer): by load")
+    instances = Instances(urls, poll_s, api_key=api_key)
     metrics = RouterMetrics()
     # No timeout on a reply: a long one streams for minutes; connections are bounded.
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
-    router = Router(instances, client, metrics)
+    blocks = PromptBlocks(model) if model is not None and policy == "cache-aware" else None
+    router = Router(instances, client, metrics, make_policy(policy, settings), blocks)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -104,11 +130,49 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill instances (quill serve --role prefill)")  # fmt: skip
     parser.add_argument("--decode", nargs="+", default=[], metavar="URL",
                         help="decode instances (quill serve --role decode)")  # fmt: skip
-    parser.add_argument("--whole", nargs="+", default=[], metavar="URL",
-                        help="instances sent whole requests (no split; any role)")  # fmt: skip
+    parser.add_argument("--whole", "--replica", nargs="+", default=[], metavar="URL",
+                        help="replicas sent whole requests (data parallel; any role)")  # fmt: skip
+    add_policy_arguments(parser)
+    parser.add_argument("--tokenizer", default=None, metavar="MODEL",
+                        help="the replicas' model (its path: a .gguf or a directory), whose "
+                        "tokenizer and chat template the cache-aware policy reads prompts "
+                        "with")  # fmt: skip
+    parser.add_argument("--api-key", default=os.environ.get("QUILL_API_KEY"),
+                        help="the instances' API key, for the router's polls of their load "
+                        "(default: $QUILL_API_KEY)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info")
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The routing policy's flags (`prefix`: "router-" where serve takes them)."""
+    parser.add_argument(f"--{prefix}policy", choices=POLICIES, default="cache-aware",
+                        help="how whole requests pick a replica: cache-aware (default: where "
+                        "the prompt's prefix is cached, unless the loads are out of balance), "
+                        "least-load (waiting x 4 + running) or round-robin")  # fmt: skip
+    defaults = CacheAwareSettings()
+    parser.add_argument(f"--{prefix}cache-threshold", type=float,
+                        default=defaults.cache_threshold,
+                        help="cache-aware: the share of a prompt's blocks a replica must hold "
+                        "for the prefix to decide (default %(default)s)")  # fmt: skip
+    parser.add_argument(f"--{prefix}balance-abs-threshold", type=float,
+                        default=defaults.balance_abs,
+                        help="cache-aware: loads out of balance when the highest exceeds the "
+                        "lowest by this much (a waiting request counts 4, a running one 1; "
+                        "default %(default)s) ...")  # fmt: skip
+    parser.add_argument(f"--{prefix}balance-rel-threshold", type=float,
+                        default=defaults.balance_rel,
+                        help="... and by this factor (default %(default)s)")  # fmt: skip
+
+
+def policy_settings(args: argparse.Namespace, prefix: str = "") -> CacheAwareSettings:
+    p = prefix.replace("-", "_")
+    return CacheAwareSettings(
+        getattr(args, f"{p}cache_threshold"),
+        getattr(args, f"{p}balance_abs_threshold"),
+        getattr(args, f"{p}balance_rel_threshold"),
+    )
 
 
 def check_router_arguments(args: argparse.Namespace) -> str | None:
@@ -127,7 +191,13 @@ def run_router(args: argparse.Namespace) -> int:
         print(f"quill router: {problem}", flush=True)
         return 2
     urls = {PREFILL: args.prefill, DECODE: args.decode, WHOLE: args.whole}
-    app = build_router_app(urls)
+    app = build_router_app(
+        urls,
+        policy=args.policy,
+        model=args.tokenizer,
+        settings=policy_settings(args),
+        api_key=args.api_key,
+    )
     print(f"quill: router at http://{args.host}:{args.port} for {_describe(urls)}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0

@@ -1,13 +1,17 @@
-"""`quill serve --disaggregate P:D` (and `--replicas N`): a router and its instances on this
-machine, each instance a `quill serve` process pinned to its share of the cores.
+"""`quill serve --disaggregate P:D` (and `--data-parallel-size N`): a router and its instances
+on this machine, each instance a `quill serve` process pinned to its share of the cores.
 
 The instances get the serve command's own flags (model, engine options) and ports of their
-own; the router takes the command's --host and --port. If an instance exits, the whole stops
-with status 1 (a supervisor restarts it), never a router answering for an instance gone.
+own; the router takes the command's --host and --port. Data-parallel replicas publish their
+KV-cache events (on free local ports) for the router's cache-aware policy, which reads
+prompts with the model's own tokenizer. A replica that exits is taken out of the rotation and
+the others serve on (the whole stops, status 1, when none is left); a split stops when any of
+its instances exits (a supervisor restarts it), never a router answering for one gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,11 +24,21 @@ import uvicorn
 
 from quill.distributed.ports import free_port
 from quill.lifetime import child_setup
-from quill.router.app import build_router_app
+from quill.router.app import build_router_app, policy_settings
 from quill.router.instances import DECODE, PREFILL, WHOLE
 from quill.server.uvicorn_server import CleanExitServer
 
-_OWN_FLAGS = {"--disaggregate": 1, "--replicas": 1, "--port": 1, "--host": 1}
+_OWN_FLAGS = {
+    "--disaggregate": 1,
+    "--replicas": 1,
+    "--data-parallel-size": 1,
+    "--port": 1,
+    "--host": 1,
+    "--router-policy": 1,
+    "--router-cache-threshold": 1,
+    "--router-balance-abs-threshold": 1,
+    "--router-balance-rel-threshold": 1,
+}
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -81,10 +95,21 @@ class LocalCluster:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
 
     def start(self, timeout_s: float = 900.0) -> None:
-        for role, port, cores in zip(self.roles, self.ports, self.cores):
+        for rank, (role, port, cores) in enumerate(zip(self.roles, self.ports, self.cores)):
             cmd = [sys.executable, "-m", "quill.cli", "serve", *self.argv, "--port", str(port)]
+            if "--no-access-log" not in self.argv:  # the router's polls would fill it
+                cmd.append("--no-access-log")
             if role != WHOLE:
                 cmd += ["--role", role]
+            elif "--kv-events-config" not in self.argv:  # for the cache-aware router
+                events = {
+                    "enable_kv_cache_events": True,
+                    "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                }
+                cmd += ["--kv-events-config", json.dumps(events)]
+            if role == WHOLE:
+                cmd += ["--data-parallel-rank", str(rank)]
             if role == PREFILL:  # its own free port, not the HTTP port + 1 (another's, maybe)
                 cmd += ["--kv-transfer-port", str(free_port())]
             print(f"quill: starting a {role} instance on cores {sorted(cores)} at :{port}",
@@ -109,11 +134,11 @@ class LocalCluster:
                 time.sleep(0.2)
 
     def watch(self, on_exit) -> None:
-        """Call `on_exit(message)` from a thread when any instance exits."""
+        """Call `on_exit(url, message)` from a thread when an instance exits."""
 
         def wait(proc: subprocess.Popen, url: str) -> None:
             code = proc.wait()
-            on_exit(f"the instance at {url} exited with {code}")
+            on_exit(url, f"the instance at {url} exited with {code}")
 
         for proc, url in zip(self.procs, self.urls):
             threading.Thread(target=wait, args=(proc, url), daemon=True).start()
@@ -156,12 +181,24 @@ def run_local(args, serve_argv: list[str]) -> int:
     urls = {PREFILL: [], DECODE: [], WHOLE: []}
     for role, url in zip(roles, cluster.urls):
         urls[role].append(url)
-    server = _RouterServer(
-        uvicorn.Config(build_router_app(urls), host=args.host, port=port, log_level="warning")
+    app = build_router_app(
+        urls,
+        policy=args.router_policy,
+        model=_tokenizer_source(args.model),
+        settings=policy_settings(args, "router-"),
+        api_key=args.api_key,
     )
+    server = _RouterServer(uvicorn.Config(app, host=args.host, port=port, log_level="warning"))
     failed = []
+    gone: set[str] = set()
 
-    def instance_exited(message: str) -> None:
+    def instance_exited(url: str, message: str) -> None:
+        gone.add(url)
+        # Replicas serve on without one of them (the router takes it out of the rotation);
+        # a split needs every instance it was given.
+        if args.replicas and len(gone) < len(roles):
+            print(f"quill serve: {message}; serving on without it", file=sys.stderr, flush=True)
+            return
         if not server.should_exit:
             print(f"quill serve: {message}; stopping", file=sys.stderr, flush=True)
             failed.append(message)
@@ -174,3 +211,12 @@ def run_local(args, serve_argv: list[str]) -> int:
         server.should_exit = True
         cluster.stop()
     return 1 if failed else 0
+
+
+def _tokenizer_source(model: str | None) -> str:
+    """The model's path (the default or a named model's, made by the replicas' start), whose
+    tokenizer and template the router reads prompts with."""
+    from quill.config import EngineConfig
+    from quill.model.factory import model_path_of
+
+    return str(model_path_of(EngineConfig(model=model)))

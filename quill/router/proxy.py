@@ -18,8 +18,10 @@ the whole reply can read as a call).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -27,6 +29,8 @@ import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from quill.router.instances import DECODE, PREFILL, WHOLE, Instance, Instances
+from quill.router.policies import CacheAware, LeastLoad
+from quill.router.prompt_blocks import PromptBlocks
 
 log = logging.getLogger(__name__)
 
@@ -60,42 +64,97 @@ def error(status: int, message: str, kind: str = "server_error") -> JSONResponse
     return JSONResponse(body, status_code=status)
 
 
+class InstanceDown(Exception):
+    """The instance a request was sent to went down while it was in flight."""
+
+
 class Router:
-    def __init__(self, instances: Instances, client: httpx.AsyncClient, metrics) -> None:
+    def __init__(
+        self,
+        instances: Instances,
+        client: httpx.AsyncClient,
+        metrics,
+        policy=None,
+        prompt_blocks: PromptBlocks | None = None,
+    ) -> None:
+        """`policy` picks among whole instances (quill/router/policies.py; least-load if
+        None); `prompt_blocks` gives a request's blocks for the cache-aware policy."""
         self.instances = instances
         self.client = client
         self.metrics = metrics
+        self.policy = policy or LeastLoad()
+        self.prompt_blocks = prompt_blocks
 
     async def handle(self, path: str, body: dict, headers: dict) -> Response:
         prefix = "chatcmpl" if path == CHAT else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         headers = {**headers, "X-Request-Id": request_id}
         whole = self.instances.of(WHOLE)
         if whole or not splittable(path, body) or not self.instances.of(PREFILL):
-            instance = self.instances.pick(WHOLE if whole else DECODE)
+            kind = WHOLE if whole else DECODE
+            instance = await self.choose(kind, path, body)
             self.metrics.requests.labels(route="whole").inc()
-            return await self._forward(instance, path, body, headers)
+
+            async def elsewhere() -> Instance | None:
+                """Another instance, for a request whose instance refused the connection
+                (nothing was sent: it is safe to send again)."""
+                if not any(i.healthy for i in self.instances.of(kind)):
+                    return None
+                return await self.choose(kind, path, body)
+
+            return await self._forward(instance, path, body, headers, elsewhere)
         self.metrics.requests.labels(route="split").inc()
         return await self._split(path, body, headers)
 
-    async def _forward(self, instance: Instance, path: str, body: dict, headers: dict):
+    async def choose(self, kind: str, path: str, body: dict) -> Instance:
+        """The policy's pick among the instances of `kind` in the rotation; the request is
+        counted on it at once, and its blocks expected there (quill/router/kv_index.py)."""
+        candidates = self.instances.up(kind)
+        hashes: list[bytes] = []
+        if self.prompt_blocks is not None and isinstance(self.policy, CacheAware):
+            size = candidates[0].block_size
+            hashes = await asyncio.to_thread(self.prompt_blocks.hashes, path, body, size)
+        now = time.monotonic()
+        chosen = self.policy.choose(candidates, hashes, now)
+        chosen.num_sent += 1
+        if hashes:
+            chosen.blocks.expect(hashes, now)
+        reason = getattr(self.policy, "last_reason", self.policy.name)
+        self.metrics.routed.labels(instance=chosen.url, reason=reason).inc()
+        return chosen
+
+    async def _forward(self, instance: Instance, path: str, body: dict, headers: dict, elsewhere):
         if body.get("stream"):
             return StreamingResponse(
-                self._relay(instance, path, body, headers, skip=0),
+                self._relay(instance, path, body, headers, skip=0, elsewhere=elsewhere),
                 media_type="text/event-stream",
             )
-        return await self._post(instance, path, body, headers)
+        return await self._post(instance, path, body, headers, elsewhere)
 
-    async def _post(self, instance: Instance, path: str, body: dict, headers: dict) -> Response:
-        instance.num_in_flight += 1
-        try:
-            r = await self.client.post(instance.url + path, json=body, headers=headers)
-        except httpx.HTTPError as e:
-            self.metrics.failures.labels(kind=instance.kind).inc()
-            return error(503, f"the {instance.kind} instance {instance.url} failed: {e}")
-        finally:
-            instance.num_in_flight -= 1
-        return Response(r.content, r.status_code, media_type="application/json")
+    async def _post(
+        self, instance: Instance, path: str, body: dict, headers: dict, elsewhere=None
+    ) -> Response:
+        while True:
+            instance.num_in_flight += 1
+            try:
+                post = self.client.post(instance.url + path, json=body, headers=headers)
+                r = await unless_down(instance, post)
+            except httpx.ConnectError as e:
+                self.instances.mark_down(instance, e)
+                retry = await elsewhere() if elsewhere is not None else None
+                if retry is None:
+                    return self._failed(instance, e)
+                instance = retry
+                continue
+            except (httpx.HTTPError, InstanceDown) as e:
+                return self._failed(instance, e)
+            finally:
+                instance.num_in_flight -= 1
+            return Response(r.content, r.status_code, media_type="application/json")
+
+    def _failed(self, instance: Instance, e: Exception) -> JSONResponse:
+        self.metrics.failures.labels(kind=instance.kind).inc()
+        return error(503, f"the {instance.kind} instance {instance.url} failed: {e}")
 
     async def _split(self, path: str, body: dict, headers: dict) -> Response:
         prefill = self.instances.pick(PREFILL)
@@ -139,10 +198,12 @@ class Router:
             yield chunk
 
     async def _relay(
-        self, instance: Instance, path: str, body: dict, headers: dict, skip: int
+        self, instance: Instance, path: str, body: dict, headers: dict, skip: int, elsewhere=None
     ) -> AsyncIterator[str]:
-        """An instance's stream, passed on but for its first `skip` characters of text."""
+        """An instance's stream, passed on but for its first `skip` characters of text (sent
+        to `elsewhere()`'s instance instead if this one refuses the connection)."""
         instance.num_in_flight += 1
+        retry = None
         try:
             async with self.client.stream(
                 "POST", instance.url + path, json=body, headers=headers
@@ -152,7 +213,7 @@ class Router:
                     yield _sse(_error_payload(r.status_code, content))
                     yield "data: [DONE]\n\n"
                     return
-                async for line in r.aiter_lines():
+                async for line in _lines_unless_down(instance, r):
                     if not line.startswith("data: "):
                         continue
                     data = line[6:]
@@ -165,13 +226,53 @@ class Router:
                         if _empty(path, chunk["choices"][0]) and "usage" not in chunk:
                             continue
                     yield _sse(chunk)
-        except httpx.HTTPError as e:
-            self.metrics.failures.labels(kind=instance.kind).inc()
-            message = f"the {instance.kind} instance {instance.url} failed: {e}"
-            yield _sse({"error": {"message": message, "type": "server_error"}})
+        except httpx.ConnectError as e:  # nothing was sent: another instance may take it
+            self.instances.mark_down(instance, e)
+            retry = await elsewhere() if elsewhere is not None else None
+            if retry is None:
+                yield self._stream_error(instance, e)
+                yield "data: [DONE]\n\n"
+        except (httpx.HTTPError, InstanceDown) as e:
+            yield self._stream_error(instance, e)
             yield "data: [DONE]\n\n"
         finally:
             instance.num_in_flight -= 1
+        if retry is not None:
+            async for chunk in self._relay(retry, path, body, headers, skip, elsewhere):
+                yield chunk
+
+    def _stream_error(self, instance: Instance, e: Exception) -> str:
+        self.metrics.failures.labels(kind=instance.kind).inc()
+        message = f"the {instance.kind} instance {instance.url} failed: {e}"
+        return _sse({"error": {"message": message, "type": "server_error"}})
+
+
+async def unless_down(instance: Instance, awaitable):
+    """`awaitable`'s result, or InstanceDown as soon as the instance is found down."""
+    down = instance.down
+    if down is None:
+        return await awaitable
+    if down.is_set():
+        raise InstanceDown(f"{instance.url} is down")
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(down.wait())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.cancel()
+        raise InstanceDown(f"{instance.url} went down while the request was in flight")
+    return work.result()
+
+
+async def _lines_unless_down(instance: Instance, response: httpx.Response):
+    lines = response.aiter_lines()
+    while True:
+        try:
+            yield await unless_down(instance, anext(lines))
+        except StopAsyncIteration:
+            return
 
 
 def _held(text: str, stops: list[str]) -> int:

@@ -203,6 +203,10 @@ def build_app(
             raise APIError(503, "the engine is not running", "server_error")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/v1/loads")
+    async def loads() -> dict:
+        return load_report(ctx)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -265,3 +269,33 @@ def build_app(
         },
     )
     return app
+
+
+def load_report(ctx: ServerContext) -> dict:
+    """What a router weighs this replica by (GET /v1/loads): the engine's queues at its last
+    step, the requests this server has sent it and not seen finish (fresher: a request is
+    counted here before the engine's next step), the KV blocks in use, and where the KV-cache
+    events are published (quill/engine/kv_events.py), if they are."""
+    stats = ctx.metrics.last_stats
+    config = ctx.engine.config
+    events = config.kv_events
+    return {
+        "object": "loads",
+        "model": ctx.model_name,
+        "running": stats.num_running if stats else 0,
+        "waiting": stats.num_waiting if stats else 0,
+        "requests_in_flight": ctx.engine.num_in_flight,
+        "kv_blocks_used": stats.kv_blocks_used if stats else 0,
+        "kv_blocks_total": ctx.engine.info.num_kv_tokens // config.block_size,
+        "kv_cache_usage": stats.kv_cache_usage if stats else 0.0,
+        "num_tokens_in_flight": stats.num_tokens_in_flight if stats else 0,
+        "block_size": config.block_size,
+        "data_parallel_rank": config.data_parallel_rank,
+        "kv_events": None
+        if events is None
+        else {
+            "endpoint": events.endpoint,
+            "replay_endpoint": events.replay_endpoint,
+            "topic": events.topic,
+        },
+    }

@@ -14,6 +14,7 @@ native kernel, kill -9), every request in flight ends at once with an `EngineFai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -49,6 +50,8 @@ from quill.lifetime import child_setup
 from quill.server.cores import split_cores
 
 log = logging.getLogger(__name__)
+
+_SEND_TIMEOUT_MS = 5000
 
 
 class EngineFailure(Exception):
@@ -159,6 +162,10 @@ class EngineClient:
         self._zmq = zmq.Context()
         self._out = self._zmq.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 0)
+        # A send blocks while no engine is connected: bounded, so that a server whose engine
+        # died between a check and a send stops instead of hanging (seen: a replica whose
+        # engine ended first blocked forever saying goodbye to it).
+        self._out.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self._out.bind(self._to_engine)
         self._in = self._zmq.socket(zmq.PULL)
         self._in.setsockopt(zmq.LINGER, 0)
@@ -266,7 +273,13 @@ class EngineClient:
             future = self._loop.create_future()
             self._adds[req.request_id] = future
             futures.append(future)
-            self._send(req)
+            try:
+                self._send(req)
+            except EngineFailure:
+                for sent in requests[: index + 1]:
+                    self._adds.pop(sent.request_id, None)
+                    self._refused(sent.request_id)
+                raise
         results = await asyncio.gather(*futures)
         refused = [result for result in results if result.error is not None]
         for result in refused:
@@ -277,11 +290,13 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         if request_id in self._sinks and self.is_alive:
-            self._send(AbortRequests([request_id]))
+            with contextlib.suppress(EngineFailure):  # gone: nothing left to abort
+                self._send(AbortRequests([request_id]))
 
     def abort_all(self) -> None:
         if self._sinks and self.is_alive:
-            self._send(AbortRequests(list(self._sinks)))
+            with contextlib.suppress(EngineFailure):
+                self._send(AbortRequests(list(self._sinks)))
 
     async def call(self, name: str, *args):
         """Run a utility of the engine process (quill/engine/process.py) and return its value."""
@@ -289,14 +304,26 @@ class EngineClient:
             raise EngineFailure(self._gone_message())
         call_id = next(self._call_ids)
         future = self._calls[call_id] = self._loop.create_future()
-        self._send(UtilityCall(call_id, name, list(args)))
+        try:
+            self._send(UtilityCall(call_id, name, list(args)))
+        except EngineFailure:
+            del self._calls[call_id]
+            raise
         result: UtilityResult = await future
         if result.error is not None:
             raise EngineFailure(result.error)
         return result.value
 
     def _send(self, message) -> None:
-        self._out.send(self._codec.encode(message), copy=False)
+        import zmq
+
+        try:
+            self._out.send(self._codec.encode(message), copy=False)
+        except zmq.Again:
+            raise EngineFailure(
+                f"the engine took no message for {_SEND_TIMEOUT_MS / 1000:g} s: "
+                + self._gone_message()
+            ) from None
         # Sending can use up the edge the FD would signal for a message already waiting.
         self._loop.call_soon(self._drain_messages)
 

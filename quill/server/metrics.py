@@ -1,4 +1,5 @@
-"""Prometheus metrics, named as vLLM names them but prefixed `quill:`.
+"""Prometheus metrics, named as vLLM names them but prefixed `quill:` (and exposed again under
+vLLM's own names for the routers that read those: quill/server/vllm_metrics.py).
 
 The wait and the pace are kept apart: queue time and time to first token say how long a request
 waited, inter-token latency and decode time say how fast it then ran. Request timings come from
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from quill.contract.messages import KVTransferStats, SpecDecodeStats, StepStats, StructuredStats
 from quill.contract.outputs import RequestOutput
 from quill.server.console.state import ConsoleState
+from quill.server.vllm_metrics import VLLMNamedMetrics
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -73,10 +75,13 @@ class ServerMetrics:
         labels = ["model_name"]
         r = self.registry
 
+        parents = []  # every metric, for their vLLM names (quill/server/vllm_metrics.py)
+
         def hist(name: str, doc: str, buckets) -> Histogram:
             return Histogram(f"quill:{name}", doc, labels, buckets=buckets, registry=r)
 
         def one(metric):
+            parents.append(metric)
             return metric.labels(model_name=model_name)
 
         self.ttft = one(
@@ -262,6 +267,20 @@ class ServerMetrics:
             registry=r,
         )
         self._last_token: dict[str, float] = {}
+        self.last_stats: StepStats | None = None  # the engine's latest (GET /v1/loads)
+        parents += [self._spec_per_position, self._success]
+        self.vllm_names = VLLMNamedMetrics(parents, model_name)
+        r.register(self.vllm_names)
+
+    def set_cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool,
+                         cache_dtype: str) -> None:  # fmt: skip
+        """What `vllm:cache_config_info` says of the KV cache."""
+        self.vllm_names.cache_config = {
+            "block_size": str(block_size),
+            "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(prefix_caching),
+            "cache_dtype": cache_dtype,
+        }
 
     def on_step(
         self, outputs: Iterable[RequestOutput], stats: StepStats | None, now: float
@@ -291,6 +310,7 @@ class ServerMetrics:
         self.console.on_step(stats, now, gaps, tokens, finished)
 
     def _on_stats(self, stats: StepStats) -> None:
+        self.last_stats = stats
         prefix_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits)
         if prefix_cache != self._prefix_seen:
             self.prefix_cache_queries.inc(prefix_cache[0] - self._prefix_seen[0])

@@ -190,13 +190,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "pinned to its share of the cores, behind a router at --host:--port",
     )
     local.add_argument(
+        "--data-parallel-size",
         "--replicas",
+        dest="replicas",
         type=int,
         default=None,
         metavar="N",
-        help="start N whole-request instances on this machine (cores shared out) behind a "
-        "router at --host:--port",
+        help="start N replicas of this model on this machine, each pinned to its share of the "
+        "cores and publishing its KV-cache events, behind a router at --host:--port "
+        "(--router-policy picks how it routes)",
     )
+    from quill.router.app import add_policy_arguments
+
+    add_policy_arguments(parser, prefix="router-")
     parser.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     parser.add_argument("--log-level", default="info", help="debug | info | warning | error")
     parser.add_argument("--no-access-log", action="store_true", help="do not log each request")
@@ -261,6 +267,9 @@ def make_context(args: argparse.Namespace, engine, names: list[str]) -> ServerCo
     info = engine.info
     metrics = ServerMetrics(names[0])
     engine.metrics = metrics
+    config = engine.config
+    metrics.set_cache_config(config.block_size, info.num_kv_tokens // config.block_size,
+                             config.enable_prefix_caching, config.kv_cache_dtype)  # fmt: skip
     return ServerContext(
         engine=engine,
         metrics=metrics,

@@ -23,7 +23,7 @@ from quill.sim.metrics import SLO, Distribution, MetricsSink
 from quill.sim.replica import SAMPLED_TOKEN, PromptTokens, Replica
 from quill.sim.workload import WorkItem
 
-ROUTERS = ("least-work", "round-robin")
+ROUTERS = ("least-work", "round-robin", "least-load", "cache-aware")
 Progress = Callable[[int], None]
 
 
@@ -31,22 +31,37 @@ class Router:
     """Picks a replica for each request.
 
     least-work: the replica holding the fewest tokens (prompt + reply) of unfinished requests,
-    the lowest index on ties; round-robin: each in turn.
+    the lowest index on ties (an oracle: no real router knows this at once); round-robin:
+    each in turn; least-load and cache-aware: `quill router`'s policies on the stale view a
+    real router has (quill/sim/routing.py).
     """
 
-    def __init__(self, kind: str, replicas: list[Replica]) -> None:
+    def __init__(
+        self, kind: str, replicas: list[Replica], tokens: PromptTokens | None = None
+    ) -> None:
         if kind not in ROUTERS:
             raise ValueError(f"unknown router {kind!r}; routers: {', '.join(ROUTERS)}")
         self.kind = kind
         self.replicas = replicas
         self._next = 0
+        self.routing = None
+        if kind in ("least-load", "cache-aware"):
+            from quill.sim.routing import SimRouter
 
-    def pick(self) -> Replica:
+            self.routing = SimRouter(kind, replicas, tokens or PromptTokens())
+
+    def pick(self, item: WorkItem | None = None) -> Replica:
+        if self.routing is not None:
+            return self.routing.pick(item)
         if self.kind == "round-robin":
             replica = self.replicas[self._next]
             self._next = (self._next + 1) % len(self.replicas)
             return replica
         return min(self.replicas, key=lambda r: r.outstanding)
+
+    def stepped(self, replica: Replica) -> None:
+        if self.routing is not None:
+            self.routing.stepped(replica)
 
 
 @contextmanager
@@ -91,14 +106,14 @@ def run_colocated(
         Replica(config, sink, f"replica {i}", record=record, tokens=tokens)
         for i in range(num_replicas)
     ]
-    route = Router(router, replicas)
+    route = Router(router, replicas, tokens)
     arrivals = iter(workload)
     item = next(arrivals, None)
     with paused_gc():
         while True:
             replica, when = _earliest(replicas)
             if item is not None and item.arrival_time <= when:
-                target = route.pick()
+                target = route.pick(item)
                 target.outstanding += item.prompt_tokens + item.output_tokens
                 target.submit(item, item.arrival_time)
                 item = next(arrivals, None)
@@ -106,6 +121,7 @@ def run_colocated(
             if replica is None:
                 break
             finished = replica.step()
+            route.stepped(replica)
             for request in finished:
                 _check(request)
                 replica.outstanding -= request.num_prompt_tokens + request.max_tokens
@@ -113,6 +129,8 @@ def run_colocated(
             if finished and progress is not None:
                 progress(len(finished))
     out = _summary(sink, replicas)
+    if route.routing is not None:
+        out["routed"] = dict(route.routing.reasons)
     if record:
         out["_replicas"] = replicas  # the test reads their logs; never serialised
     return out
@@ -153,6 +171,10 @@ def run_disaggregated(
     ]
     decode = [Replica(config, sink, f"decode {i}", tokens=tokens) for i in range(num_decode)]
     replicas = prefill + decode
+    if router not in ("least-work", "round-robin"):
+        raise ValueError(
+            f"a prefill/decode split routes by least-work or round-robin, not {router}"
+        )
     prefill_route, decode_route = Router(router, prefill), Router(router, decode)
     reply_len: dict[str, int] = {}  # request id -> output tokens, between arrival and decode
     handed_over: dict[str, float] = {}  # request id -> when its prefill ended, until fetched

@@ -50,11 +50,16 @@ class PromptTokens:
         n = item.prompt_tokens
         if item.prefix_id is None:
             return [self.last_own] * n
-        shared = self.prefixes.get(item.prefix_id)
-        if shared is None:
-            shared = self.prefixes[item.prefix_id] = len(self.prefixes) + 1
+        shared = self.prefix_value(item.prefix_id)
         k = min(item.prefix_tokens, n)
         return [shared] * k + [self.last_own] * (n - k)
+
+    def prefix_value(self, prefix_id: str | int) -> int:
+        """The token value of a prefix's tokens (made on first use)."""
+        shared = self.prefixes.get(prefix_id)
+        if shared is None:
+            shared = self.prefixes[prefix_id] = len(self.prefixes) + 1
+        return shared
 
 
 class SimExecutor:

@@ -8,6 +8,7 @@ the real command as a subprocess.
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -74,7 +75,16 @@ def running_server(args: list[str]) -> Iterator[QuillServer]:
 
 @pytest.fixture(scope="session")
 def server(hardware_file) -> Iterator[QuillServer]:
-    with running_server(SERVER_ARGS + ["--hardware", str(hardware_file)]) as srv:
+    from quill.distributed.ports import free_port
+
+    events = {  # KV-cache events for routers (tests/server/test_routable_replica.py)
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "topic": "kv-events",
+    }
+    args = ["--hardware", str(hardware_file), "--kv-events-config", json.dumps(events)]
+    with running_server(SERVER_ARGS + args) as srv:
         yield srv
 
 

@@ -233,3 +233,103 @@ def test_serve_on_the_device_matches_the_offline_engine(device, llm):
             assert "".join(c.choices[0].text for c in streamed) == text
     finally:
         served.kill()
+
+
+def _routed(url: str) -> dict[str, float]:
+    """The router's routed_total by reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        if family.name == "quill_router:routed":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["reason"]] = out.get(s.labels["reason"], 0) + s.value
+    return out
+
+
+def test_data_parallel_replicas_route_by_prefix_and_serve_on_without_a_dead_one():
+    """`quill serve --data-parallel-size 2`: two replicas publishing KV-cache events behind the
+    cache-aware router. A tenant's later requests go where its long system prompt is cached
+    (and hit there); when a replica is SIGKILLed mid-stream, its stream ends with an error,
+    the other replica's stream finishes, and the router serves on with the one left."""
+    served = ServeProcess(*SMALL, "--data-parallel-size", "2")
+    try:
+        url = served.wait_for(r"router at (http://127\.0\.0\.1:\d+) ", timeout=300).group(1)
+        served.wait_for(r"quill: ready")
+        replicas = psutil.Process(served.proc.pid).children()
+        assert len(replicas) == 2
+        ports = {p: re.search(r"--port (\d+)", " ".join(p.cmdline())).group(1) for p in replicas}
+        tenants = {
+            name: f"You are the assistant of {name}. " + f"{name} sells things. " * 40
+            for name in ("Acme", "Globex")
+        }
+
+        def chat(tenant: str, question: str, **extra) -> dict:
+            messages = [{"role": "system", "content": tenants[tenant]},
+                        {"role": "user", "content": question}]  # fmt: skip
+            return {"model": "smol", "messages": messages, "max_tokens": 2, **extra}
+
+        with httpx.Client(base_url=url, timeout=120, headers=AUTH) as c:
+            for i in range(3):
+                for tenant in tenants:
+                    r = c.post("/v1/chat/completions", json=chat(tenant, f"Question {i}?"))
+                    assert r.status_code == 200, r.text
+        routed = _routed(url)
+        assert routed.get("cached") == 4, routed  # all but each tenant's first
+        for p in replicas:
+            text = httpx.get(f"http://127.0.0.1:{ports[p]}/metrics").text
+            hits = re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", text, re.M)
+            assert float(hits.group(1)) > 0, "a replica never found its tenant's prompt"
+
+        # Two long streams, one per tenant (so one per replica); kill one replica.
+        results: dict[str, list[str]] = {}
+
+        def stream(tenant: str, max_tokens: int) -> None:
+            body = chat(tenant, "Tell me a story.", max_tokens=max_tokens, ignore_eos=True,
+                        stream=True)  # fmt: skip
+            with httpx.Client(base_url=url, timeout=120, headers=AUTH) as c:
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    results[tenant] = [x for x in r.iter_lines() if x.startswith("data:")]
+
+        threads = {
+            "Acme": threading.Thread(target=stream, args=("Acme", 2000)),
+            "Globex": threading.Thread(target=stream, args=("Globex", 60)),
+        }
+        for t in threads.values():
+            t.start()
+
+        def busy() -> psutil.Process | None:
+            for p in replicas:
+                loads = httpx.get(f"http://127.0.0.1:{ports[p]}/v1/loads", headers=AUTH).json()
+                if loads["running"] and loads["num_tokens_in_flight"] > 600:
+                    return p
+            return None
+
+        victim = wait_until_value(busy)  # the replica writing Acme's long reply
+        victim.kill()
+        threads["Acme"].join(30)
+        assert not threads["Acme"].is_alive(), "the dead replica's stream hangs"
+        assert '"error"' in results["Acme"][-2] and results["Acme"][-1] == "data: [DONE]"
+        threads["Globex"].join(60)
+        assert '"finish_reason":"length"' in results["Globex"][-2].replace(" ", "")
+        assert served.proc.poll() is None, "the router stopped with a replica left"
+        with httpx.Client(base_url=url, timeout=120, headers=AUTH) as c:
+            for tenant in tenants:  # both tenants, on the replica left
+                r = c.post("/v1/chat/completions", json=chat(tenant, "Still there?"))
+                assert r.status_code == 200, (r.text, c.get("/health").text)
+    finally:
+        served.kill()
+        for p in still_running(psutil.Process().children(recursive=True), timeout=0):
+            if "quill.cli" in " ".join(p.cmdline()) or "quill.engine" in " ".join(p.cmdline()):
+                p.kill()
+
+
+def wait_until_value(get, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = get()
+        if value is not None:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")

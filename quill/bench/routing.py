@@ -1,0 +1,179 @@
+"""Routing replicas on a shared-prefix workload: the real router and replicas, and the
+simulator, policy by policy (benchmarks/bench_routing.py, `quill bench experiments`' routing).
+
+The workload: `tenants` long shared contexts (a system prompt, an agent's history, a few-shot
+template), together larger than one replica's KV pool, each request one tenant's context
+followed by a short question of its own, arriving as a Poisson process. Prompts are token ids
+(completions), so the router and the replicas hash the same tokens and nothing depends on a
+chat template. Every policy runs on freshly started replicas (empty caches), each pinned to its
+share of the cores, the router in this process; the simulator runs the same items with the
+same policy on the stale view a real router has (quill/sim/routing.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from quill.sim.workload import WorkItem
+
+
+@dataclass
+class SharedPrefixWorkload:
+    tenants: int = 8
+    context: int = 1024  # tokens of each tenant's shared context
+    question: int = 48  # tokens of each request's own
+    reply: int = 32
+    requests: int = 120
+    rate: float = 2.0  # requests/s (Poisson)
+    seed: int = 0
+
+    def items(self) -> list[WorkItem]:
+        rng = random.Random(self.seed)
+        t, out = 0.0, []
+        for i in range(self.requests):
+            t += rng.expovariate(self.rate)
+            tenant = rng.randrange(self.tenants)
+            out.append(
+                WorkItem(
+                    f"r{i}",
+                    t,
+                    self.context + self.question,
+                    self.reply,
+                    prefix_id=tenant,
+                    prefix_tokens=self.context,
+                )  # fmt: skip
+            )
+        return out
+
+    def prompts(self, items: list[WorkItem], vocab: range) -> dict[str, list[int]]:
+        """Token ids: each tenant's context drawn once, each question its own."""
+        rng = random.Random(self.seed + 1)
+        contexts = [[rng.choice(vocab) for _ in range(self.context)] for _ in range(self.tenants)]
+        return {
+            i.request_id: contexts[i.prefix_id] + [rng.choice(vocab) for _ in range(self.question)]
+            for i in items
+        }
+
+
+def replica_prefix_counts(urls: list[str]) -> tuple[float, float]:
+    """(prompt tokens looked up, found cached) summed over the replicas' /metrics."""
+    queries = hits = 0.0
+    for url in urls:
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+            if family.name == "vllm:prefix_cache_queries":
+                queries += sum(s.value for s in family.samples if s.name.endswith("_total"))
+            if family.name == "vllm:prefix_cache_hits":
+                hits += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return queries, hits
+
+
+def run_real(
+    policy: str,
+    serve_flags: list[str],
+    model: str,
+    items,
+    prompts,
+    log=print,
+    kill_at: float | None = None,
+) -> dict:
+    """Two fresh replicas behind a router of `policy`; the workload through it. `kill_at`:
+    SIGKILL the first replica this many seconds into the run (its requests in flight must
+    fail at once, the rest finish on the other)."""
+    import uvicorn
+
+    from quill.bench.client import run_workload, summarize
+    from quill.router.app import build_router_app
+    from quill.router.instances import WHOLE
+    from quill.router.local import LocalCluster
+
+    cluster = LocalCluster([WHOLE, WHOLE], serve_flags)
+    cluster.start()
+    try:
+        app = build_router_app({WHOLE: cluster.urls}, policy=policy, model=model)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                               log_level="warning"))  # fmt: skip
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        time.sleep(1.0)  # the router's first polls, its subscriptions to the events
+        before = replica_prefix_counts(cluster.urls)
+        log(f"  {policy}: {len(items)} requests")
+        killed: list[float] = []
+        if kill_at is not None:
+
+            def kill() -> None:
+                time.sleep(kill_at)
+                cluster.procs[0].kill()
+                killed.append(time.perf_counter() - started)
+
+            threading.Thread(target=kill, daemon=True).start()
+        started = time.perf_counter()
+        records = asyncio.run(run_workload(url, "smol", items, lambda i: prompts[i.request_id]))
+        after = replica_prefix_counts(cluster.urls)
+        routed = _routed(url)
+        server.should_exit = True
+        thread.join(30)
+    finally:
+        cluster.stop()
+    summary = summarize(records)
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    extra = {}
+    if killed:
+        failed = [r for r in records if not r.ok]
+        extra = {
+            "killed_at_s": killed[0],
+            # From the kill to each failed request's end (the run's clock starts a moment
+            # before `started`: the figure errs long).
+            "failed_after_kill_s": sorted(r.ended - killed[0] for r in failed if r.ended),
+            "ok_after_kill": sum(1 for r in records if r.ok and r.sent > killed[0]),
+        }
+    return extra | {
+        "failed": summary["num_failed"],
+        "errors": summary["errors"],
+        "ttft_p50_s": _s(summary["ttft_ms"]["p50"]),
+        "ttft_p90_s": _s(summary["ttft_ms"]["p90"]),
+        "ttft_p99_s": _s(summary["ttft_ms"]["p99"]),
+        "itl_p50_s": _s(summary["itl_ms"]["p50"]),
+        "output_tokens_per_s": summary["output_throughput"],
+        "hit_rate": hits / queries if queries else None,
+        "routed": routed,
+    }
+
+
+def simulate(policy: str, config, items) -> dict:
+    from quill.sim.cluster import run_colocated
+
+    out = run_colocated(config, items, 2, router=policy)
+    r = out["results"]
+    return {
+        "ttft_p50_s": _s(r["ttft_ms"]["p50"]),
+        "ttft_p90_s": _s(r["ttft_ms"]["p90"]),
+        "ttft_p99_s": _s(r["ttft_ms"]["p99"]),
+        "itl_p50_s": _s(r["itl_ms"]["p50"]),
+        "output_tokens_per_s": r["output_throughput"],
+        "hit_rate": r["prefix_cache_hit_rate"],
+        "routed": out.get("routed"),
+    }
+
+
+def _routed(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        if family.name == "quill_router:routed":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["reason"]] = out.get(s.labels["reason"], 0) + s.value
+    return out
+
+
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
