@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup models browser serve test lint bench clean
+.PHONY: setup models browser vllm-router serve test lint bench clean
 
 setup: $(STAMP)
 	# Native kernels, one library per instruction set this CPU runs, compiled once per source
@@ -61,8 +61,19 @@ browser:
 	    DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
 	    chromium >/dev/null; } || echo "browser: could not install chromium; those tests will skip"; }
 
+# vLLM's router (a Rust binary on PyPI), in a venv of its own: a test puts it, unmodified, in
+# front of two quill replicas (tests/server/test_third_party_router.py).
+VLLM_ROUTER := vllm-router==0.1.17
+VLLM_ROUTER_DIR := $${QUILL_CACHE:-$$HOME/.cache/quill}/peers/vllm-router
+
+vllm-router:
+	@test -x "$(VLLM_ROUTER_DIR)/bin/vllm-router" || { \
+	  echo "vllm-router: installing $(VLLM_ROUTER) into $(VLLM_ROUTER_DIR) (once)"; \
+	  $(PYTHON) -m venv "$(VLLM_ROUTER_DIR)" && \
+	  "$(VLLM_ROUTER_DIR)/bin/pip" install -q $(VLLM_ROUTER); }
+
 # The tests check every named model against transformers, so they install them first.
-test: setup models browser
+test: setup models browser vllm-router
 	$(PY) -m pytest -q --durations=15
 
 lint: setup
