@@ -3,10 +3,13 @@
 Two `quill serve` replicas, each pinned to one core, behind `quill router` (in this process),
 started afresh for every policy; the same items (Poisson arrivals, `--tenants` shared contexts
 together larger than one replica's KV pool) through each, policies in alternating order over
-`--rounds`. Beside each measured run, the simulator's prediction for the same items and policy
-(`--hardware`: a `quill cost calibrate --threads 1` file of this machine, one core per replica).
+`--rounds`. Beside each measured run, the simulator's prediction for the same items and policy:
+`--hardware` is this machine's one-core calibration (`quill cost calibrate --quick --threads
+1`; default: the one `quill bench experiments` keeps), refitted on steps the replicas record
+serving a held-out workload first. `quill bench experiments --only routing` runs the same.
 
-    .venv/bin/python benchmarks/bench_routing.py --hardware cpu1.json --out routing.json
+    .venv/bin/python benchmarks/bench_routing.py --rounds 2 --out routing.json
+    .venv/bin/python benchmarks/bench_routing.py --kill-at 8   # a replica SIGKILLed mid-run
 """
 
 from __future__ import annotations
@@ -21,92 +24,95 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quill.bench.routing import SharedPrefixWorkload, run_real, simulate  # noqa: E402
-
-POLICIES = ["round-robin", "least-load", "cache-aware"]
+from quill.bench.routing import (  # noqa: E402
+    POLICIES,
+    Comparison,
+    SharedPrefixWorkload,
+    compare,
+    run_real,
+)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="default: the default model")
-    p.add_argument("--hardware", required=True, help="calibration for one core (the simulator)")
+    p.add_argument("--hardware", default=None, help="one-core calibration (the simulator)")
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--question", type=int, default=48)
     p.add_argument("--reply", type=int, default=32)
     p.add_argument("--requests", type=int, default=120)
-    p.add_argument("--rate", type=float, default=None, help="default: 0.9 x the simulated "
-                   "saturation of cache-aware's layout")  # fmt: skip
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="requests/s (default: --load x --rate-of's simulated saturation)",
+    )
+    p.add_argument("--load", type=float, default=1.0)
+    p.add_argument("--rate-of", default="round-robin", choices=POLICIES)
+    p.add_argument(
+        "--calibration-requests",
+        type=int,
+        default=60,
+        help="held-out requests for the serving fit (0: the calibration as it is)",
+    )
     p.add_argument("--kv-cache-memory", default="128MiB")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument(
+        "--kill-at",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="instead: one cache-aware run whose first replica is SIGKILLed this far in",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kill-at", type=float, default=None, metavar="SECONDS",
-                   help="instead: one cache-aware run whose first replica is SIGKILLed this "
-                   "far in")  # fmt: skip
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args()  # fmt: skip
 
-    from quill.config import EngineConfig
-    from quill.cost.hardware import HardwareSpec
-    from quill.cost.model import ModelSpec
-    from quill.engine_args import parse_bytes
-    from quill.model.factory import model_path_of
-    from quill.sim.config import SimConfig
-
-    model_path = str(model_path_of(EngineConfig(model=args.model)))
-    kv_bytes = parse_bytes(args.kv_cache_memory)
-    spec = ModelSpec.from_path(model_path)
-    config = SimConfig.create(spec, HardwareSpec.resolve(args.hardware), max_num_seqs=256,
-                              max_num_batched_tokens=512, kv_cache_memory=kv_bytes,
-                              context_len=8192)  # fmt: skip
     work = SharedPrefixWorkload(args.tenants, args.context, args.question, args.reply,
                                 args.requests, args.rate or 1.0, args.seed)  # fmt: skip
-    if args.rate is None:
-        burst = SharedPrefixWorkload(**{**vars(work), "rate": float("inf")})
-        top = simulate("cache-aware", config, burst.items())
-        work.rate = 0.9 * top["output_tokens_per_s"] / args.reply
-        print(f"rate: {work.rate:.3g} requests/s (0.9 x the simulated saturation)")
-    items = work.items()
-    from quill.frontend.tokenizer import Tokenizer
-
-    vocab = range(100, Tokenizer.load(Path(model_path)).vocab_size - 100)
-    prompts = work.prompts(items, vocab)
-    flags = ["--served-model-name", "smol", "--kv-cache-memory", args.kv_cache_memory,
-             "--quantization", "none", "--log-level", "warning", "--no-access-log"]  # fmt: skip
-    if args.model:
-        flags.insert(0, args.model)
     if args.kill_at is not None:
-        real = run_real("cache-aware", flags, model_path, items, prompts, kill_at=args.kill_at)
-        print(json.dumps(real, indent=1))
-        if args.out:
-            Path(args.out).write_text(json.dumps(real, indent=1) + "\n")
-        return 0
-    policies = args.policies.split(",")
-    runs: dict[str, list] = {name: [] for name in policies}
-    for round_ in range(args.rounds):
-        order = policies if round_ % 2 == 0 else policies[::-1]
-        for policy in order:
-            real = run_real(policy, flags, model_path, items, prompts)
-            print(f"{policy}: {json.dumps(real)}", flush=True)
-            runs[policy].append(real)
-    predicted = {name: simulate(name, config, items) for name in policies}
-    pool_tokens = config.num_blocks * config.block_size
+        return _kill_run(args, work)
+    if args.hardware is None:
+        from quill.bench.experiments.split import one_core_hardware
+
+        args.hardware = str(one_core_hardware())
+    comparison = Comparison(args.model, args.kv_cache_memory, args.rounds, args.load,
+                            args.rate_of, args.rate, args.calibration_requests,
+                            tuple(args.policies.split(",")))  # fmt: skip
+    result = compare(comparison, work, args.hardware)
     result = {
         "date": str(date.today()),
         "machine": platform.processor() or platform.machine(),
         "command": " ".join(sys.argv),
-        "workload": vars(work)
-        | {
-            "pool_tokens_per_replica": pool_tokens,
-            "contexts_tokens": args.tenants * args.context,
-        },  # fmt: skip
-        "measured": runs,
-        "simulated": predicted,
-    }
+    } | result
     _print(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def _kill_run(args, work: SharedPrefixWorkload) -> int:
+    from quill.config import EngineConfig
+    from quill.frontend.tokenizer import Tokenizer
+    from quill.model.factory import model_path_of
+
+    model_path = str(model_path_of(EngineConfig(model=args.model)))
+    vocab = range(100, Tokenizer.load(Path(model_path)).vocab_size - 100)
+    if args.rate is None:
+        work.rate = 2.0
+    items = work.items()
+    flags = ["--served-model-name", "smol", "--kv-cache-memory", args.kv_cache_memory,
+             "--quantization", "none", "--log-level", "warning", "--no-access-log"]  # fmt: skip
+    if args.model:
+        flags.insert(0, args.model)
+    real = run_real("cache-aware", flags, model_path, items, work.prompts(items, vocab),
+                    kill_at=args.kill_at)  # fmt: skip
+    real = {"date": str(date.today()), "command": " ".join(sys.argv)} | real
+    print(json.dumps(real, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(real, indent=1) + "\n")
     return 0
 
 
@@ -119,9 +125,10 @@ def _print(result: dict) -> None:
     for name, runs in result["measured"].items():
         sim = result["simulated"][name]
         for real in runs:
-            cells = []
-            for key in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "hit_rate"):
-                cells.append(f"{_f(real[key])} / {_f(sim[key])}")
+            cells = [
+                f"{_f(real[key])} / {_f(sim[key])}"
+                for key in ("ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "hit_rate")
+            ]
             print(f"{name:12} " + " ".join(f"{c:>16}" for c in cells))
     print("(measured / simulated)")
 

@@ -66,7 +66,11 @@ def replica_prefix_counts(urls: list[str]) -> tuple[float, float]:
     """(prompt tokens looked up, found cached) summed over the replicas' /metrics."""
     queries = hits = 0.0
     for url in urls:
-        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        try:
+            text = httpx.get(f"{url}/metrics").text
+        except httpx.HTTPError:  # a replica killed on purpose (run_real's kill_at)
+            continue
+        for family in text_string_to_metric_families(text):
             if family.name == "vllm:prefix_cache_queries":
                 queries += sum(s.value for s in family.samples if s.name.endswith("_total"))
             if family.name == "vllm:prefix_cache_hits":
@@ -177,3 +181,97 @@ def _routed(url: str) -> dict[str, float]:
 
 def _s(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000
+
+
+POLICIES = ("round-robin", "least-load", "cache-aware")
+
+
+@dataclass
+class Comparison:
+    """One experiment: its workload, how the rate is chosen, and the rounds."""
+
+    model: str | None = None  # default: the default model
+    kv_cache_memory: str = "128MiB"  # per replica
+    rounds: int = 1
+    load: float = 1.0  # the rate, as a fraction of `rate_of`'s simulated saturation
+    rate_of: str = "round-robin"
+    rate: float | None = None  # requests/s, instead of `load`
+    calibration_requests: int = 60  # the held-out workload of the serving fit (0: none)
+    policies: tuple[str, ...] = POLICIES
+
+
+def compare(c: Comparison, work: SharedPrefixWorkload, hardware_path, log=print) -> dict:
+    """Each policy measured (freshly started replicas, policies in alternating order over the
+    rounds) beside the simulator's prediction for the same items, with the simulator's step
+    prices fitted again on steps the replicas recorded serving a held-out workload."""
+    import tempfile
+    from dataclasses import replace
+    from pathlib import Path
+
+    from quill.config import EngineConfig
+    from quill.cost.calibrate import calibrated_model, recorded_steps, refit_spec
+    from quill.cost.hardware import HardwareSpec
+    from quill.engine_args import parse_bytes
+    from quill.frontend.tokenizer import Tokenizer
+    from quill.model.factory import model_path_of
+    from quill.sim.config import SimConfig
+
+    model_path = str(model_path_of(EngineConfig(model=c.model)))
+    hardware = HardwareSpec.resolve(str(hardware_path))
+    spec = calibrated_model(hardware, model_path)
+
+    def sim_config(hw: HardwareSpec) -> SimConfig:
+        return SimConfig.create(spec, hw, max_num_seqs=256, max_num_batched_tokens=512,
+                                kv_cache_memory=parse_bytes(c.kv_cache_memory),
+                                context_len=8192)  # fmt: skip
+
+    vocab = range(100, Tokenizer.load(Path(model_path)).vocab_size - 100)
+    flags = ["--served-model-name", "smol", "--kv-cache-memory", c.kv_cache_memory,
+             "--quantization", "none", "--log-level", "warning", "--no-access-log"]  # fmt: skip
+    if c.model:
+        flags.insert(0, c.model)
+    config, fit = sim_config(hardware), None
+    if c.calibration_requests:
+        # A replica shares its core with its API process, which the calibration (the engine
+        # alone) did not: fit again on steps recorded while serving other tenants' requests.
+        held_out = replace(work, requests=c.calibration_requests, rate=2.0, seed=work.seed + 100)
+        cal_items = held_out.items()
+        steps_file = Path(tempfile.mkdtemp(prefix="quill-routing-")) / "steps.jsonl"
+        log(f"routing: serving fit, {len(cal_items)} held-out requests, steps recorded")
+        run_real("round-robin", flags + ["--record-steps", str(steps_file)], model_path,
+                 cal_items, held_out.prompts(cal_items, vocab), log)  # fmt: skip
+        steps = [s for i in (0, 1) for s in recorded_steps(f"{steps_file}.{i}")]
+        fitted = refit_spec(hardware, spec, steps)
+        config = sim_config(fitted)
+        fit = {"steps": len(steps), "error": (fitted.calibration or {}).get("fit_error")}
+    if c.rate is not None:
+        work = replace(work, rate=c.rate)
+    else:
+        burst = replace(work, rate=float("inf"))
+        top = simulate(c.rate_of, config, burst.items())
+        work = replace(work, rate=c.load * top["output_tokens_per_s"] / work.reply)
+        log(f"routing: {work.rate:.3g} requests/s ({c.load:g} x {c.rate_of}'s simulated "
+            "saturation)")  # fmt: skip
+    items = work.items()
+    prompts = work.prompts(items, vocab)
+    measured: dict[str, list] = {name: [] for name in c.policies}
+    for k in range(c.rounds):
+        for policy in c.policies if k % 2 == 0 else c.policies[::-1]:
+            result = run_real(policy, flags, model_path, items, prompts, log)
+            r = result
+            log(f"routing: {policy}: TTFT p90 {r['ttft_p90_s']:.3g} s, "
+                f"{r['output_tokens_per_s']:.3g} tokens/s, "
+                f"hit rate {r['hit_rate']:.3g}")  # fmt: skip
+            measured[policy].append(result)
+    return {
+        "serving_fit": fit,
+        "workload": vars(work)
+        | {
+            "pool_tokens_per_replica": config.num_blocks * config.block_size,
+            "contexts_tokens": work.tenants * work.context,
+        },  # fmt: skip
+        "measured": measured,
+        "simulated": {name: simulate(name, config, items) for name in c.policies},
+        "hardware_file": str(hardware_path),
+        "kv_cache_memory": c.kv_cache_memory,
+    }

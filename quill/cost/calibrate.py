@@ -397,26 +397,40 @@ def refit_spec(base: HardwareSpec, model: ModelSpec, steps: list[MeasuredStep]) 
     return replace(base, calibration=calibration)
 
 
-def _refit(args: argparse.Namespace) -> int:
-    from quill.engine.record import read_steps
-
-    if not args.base or not args.out:
-        raise ValueError("--from-steps needs --base FILE (the rates to keep) and --out FILE")
-    base = HardwareSpec.load(args.base)
-    info = base.calibration or {}
+def calibrated_model(spec: HardwareSpec, model_path: str | None = None) -> ModelSpec:
+    """The model as `spec` was calibrated on it (its dtype and KV cache dtype); `model_path`
+    another of the same dtypes."""
+    info = spec.calibration or {}
     model = ModelSpec.from_path(
-        args.model or info["model_path"], bytes_per_element(info.get("dtype", "bfloat16"))
+        model_path or info["model_path"], bytes_per_element(info.get("dtype", "bfloat16"))
     )
     model.dtype = info.get("dtype", model.dtype)
     model.kv_bytes_per_element = kv_bytes_per_element(
         info.get("kv_cache_dtype", "auto"), model.dtype
     )
+    return model
+
+
+def recorded_steps(path: str | Path, skip: int = 0) -> list[MeasuredStep]:
+    """The steps an engine recorded (`quill serve --record-steps FILE`), past the first
+    `skip`, as measured steps to fit on."""
+    from quill.engine.record import read_steps
+
     steps = []
-    for record in read_steps(args.from_steps):
+    for record in read_steps(path)[skip:]:
         seqs = [tuple(x) for x in record["seqs"]]
         decodes = sum(1 for x in seqs if x[3])
         kind = "decode" if decodes == len(seqs) else "mixed" if decodes else "prefill"
         steps.append(MeasuredStep(f"step {record['step']}", kind, record["duration"], seqs))
+    return steps
+
+
+def _refit(args: argparse.Namespace) -> int:
+    if not args.base or not args.out:
+        raise ValueError("--from-steps needs --base FILE (the rates to keep) and --out FILE")
+    base = HardwareSpec.load(args.base)
+    model = calibrated_model(base, args.model)
+    steps = recorded_steps(args.from_steps)
     spec = refit_spec(base, model, steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     spec.save(args.out)

@@ -110,6 +110,9 @@ class LocalCluster:
                 cmd += ["--kv-events-config", json.dumps(events)]
             if role == WHOLE:
                 cmd += ["--data-parallel-rank", str(rank)]
+            # Each instance records its own steps (FILE.0, FILE.1, ...), never into one file.
+            cmd = [f"{arg}.{rank}" if prev == "--record-steps" else arg
+                   for prev, arg in zip([None, *cmd], cmd)]  # fmt: skip
             if role == PREFILL:  # its own free port, not the HTTP port + 1 (another's, maybe)
                 cmd += ["--kv-transfer-port", str(free_port())]
             print(f"quill: starting a {role} instance on cores {sorted(cores)} at :{port}",

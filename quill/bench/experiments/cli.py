@@ -22,6 +22,7 @@ simulator's prediction) and regenerate docs/experiments.md, its figures and raw 
   interference  16 streams and a 2000-token prompt: one pass against chunks; disaggregation
   split         the same on two pinned instances: colocated against prefill + decode, for real
   load          TTFT and ITL against request rate, `quill serve` against the simulator
+  routing       two replicas on shared prefixes: round-robin, least-load, cache-aware routers
 Full: about 11 minutes on a quiet 2-core machine (a minute more with --recalibrate, another
 the first time the split calibrates one core); --quick: under 4.
 """

@@ -15,16 +15,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
 
-from quill.bench.experiments import batching, cost, interference, load, reading, split
+from quill.bench.experiments import batching, cost, interference, load, reading, routing, split
 from quill.bench.experiments.context import Context, Settings, machine_info
 from quill.bench.experiments.figures import PLOTS
 from quill.bench.experiments.report import Section, pct, render_report, shown_path
 from quill.bench.experiments.stats import median, relative_error
 
-# In the order they run and appear; split and load last: they free the shared engine for
-# their servers.
+# In the order they run and appear; split, load and routing last: they free the shared engine
+# for their servers.
 EXPERIMENTS: dict[str, ModuleType] = {
-    m.NAME: m for m in (reading, batching, cost, interference, split, load)
+    m.NAME: m for m in (reading, batching, cost, interference, split, load, routing)
 }
 
 

@@ -274,6 +274,33 @@ def plot_load(result: dict, path: Path) -> None:
     _save(fig, path)
 
 
+def plot_routing(result: dict, path: Path) -> None:
+    from quill.bench.experiments.routing import measured_medians
+
+    plt = _pyplot()
+    real, sim = measured_medians(result), result["simulated"]
+    names = list(real)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    x = range(len(names))
+    for offset, key, color in ((-0.2, "ttft_p50_s", "tab:blue"), (0.2, "ttft_p90_s", "tab:orange")):
+        axes[0].bar([i + offset for i in x], [real[n][key] for n in names], 0.4, color=color,
+                    label=f"measured {key[5:8]}")  # fmt: skip
+        axes[0].plot([i + offset for i in x], [sim[n][key] for n in names], "kx",
+                     label=f"simulated {key[5:8]}")  # fmt: skip
+    axes[0].set_ylabel("seconds")
+    axes[0].set_title("time to first token")
+    axes[1].bar(x, [real[n]["output_tokens_per_s"] for n in names], 0.5, color="tab:green",
+                label="measured")  # fmt: skip
+    axes[1].plot(x, [sim[n]["output_tokens_per_s"] for n in names], "kx", label="simulated")
+    axes[1].set_ylabel("output tokens/s")
+    axes[1].set_title("throughput")
+    for ax in axes:
+        ax.set_xticks(list(x), names)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    _save(fig, path)
+
+
 PLOTS: dict[str, Callable[[dict, Path], None]] = {
     "reading": plot_reading,
     "batching": plot_batching,
@@ -281,4 +308,5 @@ PLOTS: dict[str, Callable[[dict, Path], None]] = {
     "interference": plot_interference,
     "split": plot_split,
     "load": plot_load,
+    "routing": plot_routing,
 }

@@ -76,16 +76,9 @@ def _figures(summary: dict) -> dict:
 
 
 def _serving_fit(ctx, steps_file: Path, skip: int):
-    from quill.cost.calibrate import refit_spec
-    from quill.cost.sweep import MeasuredStep
-    from quill.engine.record import read_steps
+    from quill.cost.calibrate import recorded_steps, refit_spec
 
-    steps = []
-    for record in read_steps(steps_file)[skip:]:
-        seqs = [tuple(x) for x in record["seqs"]]
-        decodes = sum(1 for x in seqs if x[3])
-        kind = "decode" if decodes == len(seqs) else "mixed" if decodes else "prefill"
-        steps.append(MeasuredStep(f"step {record['step']}", kind, record["duration"], seqs))
+    steps = recorded_steps(steps_file, skip)
     return refit_spec(ctx.hardware, ctx.model, steps), len(steps)
 
 
