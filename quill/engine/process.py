@@ -50,6 +50,8 @@ from quill.engine.kv_events import HASH_BYTES
 
 log = logging.getLogger(__name__)
 
+_ORPHAN_GRACE_S = 2.0  # an engine whose server is gone ends within this, however it closes
+
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m quill.engine.process CONFIG_JSON INPUT OUTPUT STARTUP LOG_LEVEL`."""
@@ -221,11 +223,14 @@ class EngineLoop:
         return AddResult(req.request_id, warnings=list(prepared.warnings) if prepared else [])
 
     def _watch_parent(self) -> None:
-        while not self._stopping:
+        while True:
             if os.getppid() != self.parent_pid:
                 log.error("the server process is gone; the engine stops")
                 self.stop()
-                return
+                # Nobody is left to hear a clean stop: if closing hangs (a thread that does
+                # not end), end the process anyway, as the kernel's signal means it to.
+                time.sleep(_ORPHAN_GRACE_S)
+                os._exit(1)
             time.sleep(0.5)
 
     # -- the step thread -------------------------------------------------------------------

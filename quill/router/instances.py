@@ -64,6 +64,7 @@ class Instances:
         self.all = [Instance(u.rstrip("/"), kind) for kind, us in urls.items() for u in us]
         self.poll_s = poll_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._warned_key = False
         self.dead_after_s = dead_after_s
         self._task: asyncio.Task | None = None
 
@@ -113,21 +114,29 @@ class Instances:
         instance.healthy = True
         instance.failing_since = None
         instance.down.clear()
-        instance.running = float(report.get("running", 0))
-        # Requests its server holds that its engine has not reported yet wait too.
-        unseen = report.get("requests_in_flight", 0) - instance.running
-        instance.waiting = float(max(report.get("waiting", 0), unseen))
-        instance.num_sent = 0
+        if report:
+            instance.running = float(report.get("running", 0))
+            # Requests its server holds that its engine has not reported yet wait too.
+            unseen = report.get("requests_in_flight", 0) - instance.running
+            instance.waiting = float(max(report.get("waiting", 0), unseen))
+            instance.num_sent = 0
         instance.block_size = int(report.get("block_size") or instance.block_size)
         events = report.get("kv_events")
         if events and (instance.events_task is None or instance.events_task.done()):
             instance.events_task = start_following(instance.blocks, instance.url, events)
 
     async def _report(self, client: httpx.AsyncClient, instance: Instance) -> dict:
+        """The instance's load report; {} when it answers but tells no load (its key)."""
         headers = self._headers
         response = await client.get(f"{instance.url}/v1/loads", headers=headers, timeout=2.0)
-        if response.status_code == 404:  # not quill: the vLLM-named gauges
+        if response.status_code in (401, 403, 404):  # not quill, or a key the router lacks
+            if response.status_code != 404 and not self._warned_key:
+                log.warning("instance %s wants an API key for /v1/loads (quill router "
+                            "--api-key): its load is read from /metrics", instance.url)  # fmt: skip
+                self._warned_key = True
             response = await client.get(f"{instance.url}/metrics", headers=headers, timeout=2.0)
+            if response.status_code in (401, 403):
+                return {}
             response.raise_for_status()
             return _from_metrics(response.text)
         response.raise_for_status()
@@ -153,10 +162,12 @@ class Instances:
 
 
 def _from_metrics(text: str) -> dict:
-    """running and waiting from an instance's /metrics (vLLM's names, or quill's)."""
-    report = {"running": 0.0, "waiting": 0.0}
+    """running and waiting from an instance's /metrics (vLLM's names; quill's if none)."""
+    found: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        for key in ("running", "waiting"):
-            if family.name in (f"vllm:num_requests_{key}", f"quill:num_requests_{key}"):
-                report[key] = sum(s.value for s in family.samples)
-    return report
+        for prefix in ("vllm", "quill"):
+            for key in ("running", "waiting"):
+                if family.name == f"{prefix}:num_requests_{key}":
+                    found[f"{prefix}:{key}"] = sum(s.value for s in family.samples)
+    prefix = "vllm" if "vllm:running" in found or "vllm:waiting" in found else "quill"
+    return {key: found.get(f"{prefix}:{key}", 0.0) for key in ("running", "waiting")}

@@ -23,8 +23,9 @@ simulator's prediction) and regenerate docs/experiments.md, its figures and raw 
   split         the same on two pinned instances: colocated against prefill + decode, for real
   load          TTFT and ITL against request rate, `quill serve` against the simulator
   routing       two replicas on shared prefixes: round-robin, least-load, cache-aware routers
-Full: about 11 minutes on a quiet 2-core machine (a minute more with --recalibrate, another
-the first time the split calibrates one core); --quick: under 4.
+Full: about 11 minutes on a quiet 2-core machine, and 7 more for routing (a minute more with
+--recalibrate, another the first time the split calibrates one core); --quick: under 4, and
+about 2 more for routing.
 """
 
 
