@@ -49,12 +49,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: dict | str) -> SpeculativeConfig:
         """The dict, or its JSON text (the command line's --speculative-config)."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        return cls.from_dict(value)
+        return cls.from_dict(_json_value(value, "speculative_config"))
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
@@ -90,6 +85,16 @@ class SpeculativeConfig:
         if not isinstance(by_cost, bool):
             raise ValueError(f"speculative_config.by_cost must be true or false, got {by_cost!r}")
         return cls(method, k, low, high, by_cost)
+
+
+def _json_value(value, name: str):
+    """`value`, or the value its JSON text says (a flag's text)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
 
 
 def _positive(d: dict, key: str, default: int | None) -> int:
@@ -135,11 +140,8 @@ class KVEventsConfig:
 
     @classmethod
     def parse(cls, value: dict | str) -> KVEventsConfig:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
+        """The dict, or its JSON text (the command line's --kv-events-config)."""
+        value = _json_value(value, "kv_events_config")
         if not isinstance(value, dict):
             raise ValueError("kv_events_config must be a JSON object")
         unknown = sorted(set(value) - set(_KV_EVENTS_DEFAULTS))

@@ -123,7 +123,7 @@ def run_real(
         started = time.perf_counter()
         records = asyncio.run(run_workload(url, "smol", items, lambda i: prompts[i.request_id]))
         after = replica_prefix_counts(cluster.urls)
-        routed = _routed(url)
+        routed = routed_by_reason(url)
         server.should_exit = True
         thread.join(30)
     finally:
@@ -169,7 +169,8 @@ def simulate(policy: str, config, items) -> dict:
     }
 
 
-def _routed(url: str) -> dict[str, float]:
+def routed_by_reason(url: str) -> dict[str, float]:
+    """A quill router's whole requests so far, by why its policy chose (its /metrics)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         if family.name == "quill_router:routed":

@@ -17,6 +17,8 @@ import psutil
 import pytest
 from server_helpers import still_running
 
+from quill.bench.routing import routed_by_reason
+
 KEY = "env-key"
 
 
@@ -235,19 +237,6 @@ def test_serve_on_the_device_matches_the_offline_engine(device, llm):
         served.kill()
 
 
-def _routed(url: str) -> dict[str, float]:
-    """The router's routed_total by reason."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        if family.name == "quill_router:routed":
-            for s in family.samples:
-                if s.name.endswith("_total"):
-                    out[s.labels["reason"]] = out.get(s.labels["reason"], 0) + s.value
-    return out
-
-
 def test_data_parallel_replicas_route_by_prefix_and_serve_on_without_a_dead_one():
     """`quill serve --data-parallel-size 2`: two replicas publishing KV-cache events behind the
     cache-aware router. A tenant's later requests go where its long system prompt is cached
@@ -278,7 +267,7 @@ def test_data_parallel_replicas_route_by_prefix_and_serve_on_without_a_dead_one(
                 for tenant in tenants:
                     r = c.post("/v1/chat/completions", json=chat(tenant, f"Question {i}?"))
                     assert r.status_code == 200, r.text
-        routed = _routed(url)
+        routed = routed_by_reason(url)
         assert routed.get("cached") == 4, routed  # all but each tenant's first
         for p in replicas:
             text = httpx.get(f"http://127.0.0.1:{ports[p]}/metrics").text
