@@ -89,8 +89,9 @@ def build_router_app(
             if not isinstance(body, dict):
                 return error(400, "the body must be a JSON object", "invalid_request_error")
             headers = {}
-            if "authorization" in request.headers:
-                headers["Authorization"] = request.headers["authorization"]
+            for name in ("Authorization", "X-Request-Id"):  # the client's id is kept
+                if name.lower() in request.headers:
+                    headers[name] = request.headers[name.lower()]
             return await router.handle(path, body, headers)
 
         return endpoint

@@ -102,9 +102,12 @@ class Router:
                     return None
                 return await self.choose(kind, path, body)
 
-            return await self._forward(instance, path, body, headers, elsewhere)
-        self.metrics.requests.labels(route="split").inc()
-        return await self._split(path, body, headers)
+            response = await self._forward(instance, path, body, headers, elsewhere)
+        else:
+            self.metrics.requests.labels(route="split").inc()
+            response = await self._split(path, body, headers)
+        response.headers["X-Request-Id"] = request_id
+        return response
 
     async def choose(self, kind: str, path: str, body: dict) -> Instance:
         """The policy's pick among the instances of `kind` in the rotation; the request is

@@ -265,8 +265,11 @@ def test_data_parallel_replicas_route_by_prefix_and_serve_on_without_a_dead_one(
         with httpx.Client(base_url=url, timeout=120, headers=AUTH) as c:
             for i in range(3):
                 for tenant in tenants:
-                    r = c.post("/v1/chat/completions", json=chat(tenant, f"Question {i}?"))
+                    rid = {"X-Request-Id": f"{tenant}-{i}"}  # a client's id is kept throughout
+                    r = c.post("/v1/chat/completions", json=chat(tenant, f"Question {i}?"),
+                               headers=rid)  # fmt: skip
                     assert r.status_code == 200, r.text
+                    assert r.headers["x-request-id"] == f"{tenant}-{i}"
         routed = routed_by_reason(url)
         assert routed.get("cached") == 4, routed  # all but each tenant's first
         for p in replicas:
