@@ -29,6 +29,8 @@ from quill.bench.routing import (  # noqa: E402
     Comparison,
     SharedPrefixWorkload,
     compare,
+    model_and_vocab,
+    replica_flags,
     run_real,
 )
 
@@ -94,19 +96,11 @@ def main() -> int:
 
 
 def _kill_run(args, work: SharedPrefixWorkload) -> int:
-    from quill.config import EngineConfig
-    from quill.frontend.tokenizer import Tokenizer
-    from quill.model.factory import model_path_of
-
-    model_path = str(model_path_of(EngineConfig(model=args.model)))
-    vocab = range(100, Tokenizer.load(Path(model_path)).vocab_size - 100)
+    model_path, vocab = model_and_vocab(args.model)
     if args.rate is None:
         work.rate = 2.0
     items = work.items()
-    flags = ["--served-model-name", "smol", "--kv-cache-memory", args.kv_cache_memory,
-             "--quantization", "none", "--log-level", "warning", "--no-access-log"]  # fmt: skip
-    if args.model:
-        flags.insert(0, args.model)
+    flags = replica_flags(args.model, args.kv_cache_memory)
     real = run_real("cache-aware", flags, model_path, items, work.prompts(items, vocab),
                     kill_at=args.kill_at)  # fmt: skip
     real = {"date": str(date.today()), "command": " ".join(sys.argv)} | real

@@ -78,6 +78,52 @@ def replica_prefix_counts(urls: list[str]) -> tuple[float, float]:
     return queries, hits
 
 
+class RouterThread:
+    """The router app (`build_router_app(urls, **options)`) on a free port, in a thread of
+    this process."""
+
+    def __init__(self, urls: dict[str, list[str]], **options) -> None:
+        import uvicorn
+
+        from quill.router.app import build_router_app
+
+        config = uvicorn.Config(
+            build_router_app(urls, **options), host="127.0.0.1", port=0, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the router did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def replica_flags(model: str | None, kv_cache_memory: str) -> list[str]:
+    """`quill serve` flags of the replicas: unquantized (as the calibration prices them)."""
+    flags = ["--served-model-name", "smol", "--kv-cache-memory", kv_cache_memory,
+             "--quantization", "none", "--log-level", "warning", "--no-access-log"]  # fmt: skip
+    return [model, *flags] if model else flags
+
+
+def model_and_vocab(model: str | None) -> tuple[str, range]:
+    """The model's path (the default model's if None) and the token ids prompts draw from."""
+    from pathlib import Path
+
+    from quill.config import EngineConfig
+    from quill.frontend.tokenizer import Tokenizer
+    from quill.model.factory import model_path_of
+
+    path = str(model_path_of(EngineConfig(model=model)))
+    return path, range(100, Tokenizer.load(Path(path)).vocab_size - 100)
+
+
 def run_real(
     policy: str,
     serve_flags: list[str],
@@ -90,24 +136,15 @@ def run_real(
     """Two fresh replicas behind a router of `policy`; the workload through it. `kill_at`:
     SIGKILL the first replica this many seconds into the run (its requests in flight must
     fail at once, the rest finish on the other)."""
-    import uvicorn
-
     from quill.bench.client import run_workload, summarize
-    from quill.router.app import build_router_app
     from quill.router.instances import WHOLE
     from quill.router.local import LocalCluster
 
     cluster = LocalCluster([WHOLE, WHOLE], serve_flags)
     cluster.start()
     try:
-        app = build_router_app({WHOLE: cluster.urls}, policy=policy, model=model)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                               log_level="warning"))  # fmt: skip
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        router = RouterThread({WHOLE: cluster.urls}, policy=policy, model=model)
+        url = router.url
         time.sleep(1.0)  # the router's first polls, its subscriptions to the events
         before = replica_prefix_counts(cluster.urls)
         log(f"  {policy}: {len(items)} requests")
@@ -124,8 +161,7 @@ def run_real(
         records = asyncio.run(run_workload(url, "smol", items, lambda i: prompts[i.request_id]))
         after = replica_prefix_counts(cluster.urls)
         routed = routed_by_reason(url)
-        server.should_exit = True
-        thread.join(30)
+        router.stop()
     finally:
         cluster.stop()
     summary = summarize(records)
@@ -136,7 +172,7 @@ def run_real(
         extra = {
             "killed_at_s": killed[0],
             # From the kill to each failed request's end (the run's clock starts a moment
-            # before `started`: the figure errs long).
+            # after `started`, so the figure errs short by that moment: a few ms).
             "failed_after_kill_s": sorted(r.ended - killed[0] for r in failed if r.ended),
             "ok_after_kill": sum(1 for r in records if r.ok and r.sent > killed[0]),
         }
@@ -209,15 +245,12 @@ def compare(c: Comparison, work: SharedPrefixWorkload, hardware_path, log=print)
     from dataclasses import replace
     from pathlib import Path
 
-    from quill.config import EngineConfig
     from quill.cost.calibrate import calibrated_model, recorded_steps, refit_spec
     from quill.cost.hardware import HardwareSpec
     from quill.engine_args import parse_bytes
-    from quill.frontend.tokenizer import Tokenizer
-    from quill.model.factory import model_path_of
     from quill.sim.config import SimConfig
 
-    model_path = str(model_path_of(EngineConfig(model=c.model)))
+    model_path, vocab = model_and_vocab(c.model)
     hardware = HardwareSpec.resolve(str(hardware_path))
     spec = calibrated_model(hardware, model_path)
 
@@ -226,11 +259,7 @@ def compare(c: Comparison, work: SharedPrefixWorkload, hardware_path, log=print)
                                 kv_cache_memory=parse_bytes(c.kv_cache_memory),
                                 context_len=8192)  # fmt: skip
 
-    vocab = range(100, Tokenizer.load(Path(model_path)).vocab_size - 100)
-    flags = ["--served-model-name", "smol", "--kv-cache-memory", c.kv_cache_memory,
-             "--quantization", "none", "--log-level", "warning", "--no-access-log"]  # fmt: skip
-    if c.model:
-        flags.insert(0, c.model)
+    flags = replica_flags(c.model, c.kv_cache_memory)
     config, fit = sim_config(hardware), None
     if c.calibration_requests:
         # A replica shares its core with its API process, which the calibration (the engine

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 EXPECT_S = 10.0  # a sent request's blocks, expected until its events arrive
 APPROXIMATE_EXPECT_S = 120.0  # a replica with no events: what was sent is all there is
+_EXPECTED_KEPT = 100_000  # expected blocks held before the lapsed ones are swept
 
 
 class ReplicaBlocks:
@@ -53,7 +54,7 @@ class ReplicaBlocks:
         for h in hashes:
             if h not in self.held:
                 self.expected[h] = until
-        if len(self.expected) > 4 * len(hashes) + 100_000:
+        if len(self.expected) > _EXPECTED_KEPT:  # drop the lapsed ones now and then
             self.expected = {h: t for h, t in self.expected.items() if t >= now}
 
     def apply(self, events) -> None:

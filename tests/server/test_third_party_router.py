@@ -11,7 +11,6 @@ its long system prompt cached (the router sent them where the first went).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from conftest import SERVER_ARGS, running_server
 from server_helpers import wait_until
 
 from quill.config import cache_dir
+from quill.distributed.ports import free_port
 
 ROUTER = Path(
     os.environ.get("QUILL_VLLM_ROUTER", cache_dir() / "peers/vllm-router/bin/vllm-router")
@@ -33,18 +33,12 @@ ARGS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def replicas_behind_vllm_router():
     if not ROUTER.is_file():
         pytest.fail(f"vLLM's router is not installed at {ROUTER}: run `make vllm-router`")
     with running_server(ARGS) as a, running_server(ARGS) as b:
-        port = _free_port()
+        port = free_port()
         cmd = [str(ROUTER), "--worker-urls", a.base_url, b.base_url, "--policy", "cache_aware",
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                "--worker-startup-check-interval", "1"]  # fmt: skip

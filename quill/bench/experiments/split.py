@@ -20,14 +20,13 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from quill.bench.experiments.engine import Needs
 from quill.bench.experiments.report import Section, Table, megabytes, pct, seconds, times
 from quill.bench.experiments.stats import percentile_or_none, relative_error
+from quill.bench.routing import RouterThread
 
 NAME = "split"
 TITLE = "Disaggregation for real: a prefill and a decode instance against two colocated"
@@ -53,32 +52,6 @@ def workload(quick: bool):
     items = [WorkItem(f"s{i}", 0.0, 32, reply) for i in range(streams)]
     items += [WorkItem(f"new{j}", 4.0 + 3.0 * j, LONG_PROMPT, 16) for j in range(long_prompts)]
     return sorted(items, key=lambda i: i.arrival_time)
-
-
-class RouterThread:
-    """The router app on a free port, in a thread of this process."""
-
-    def __init__(self, urls: dict[str, list[str]]) -> None:
-        import uvicorn
-
-        from quill.router.app import build_router_app
-
-        config = uvicorn.Config(
-            build_router_app(urls), host="127.0.0.1", port=0, log_level="warning"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the router did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def measure(records, items) -> dict:
