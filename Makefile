@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup models browser vllm-router serve test lint bench clean
+.PHONY: setup models browser vllm-router ray serve test lint bench clean
 
 setup: $(STAMP)
 	# Native kernels, one library per instruction set this CPU runs, compiled once per source
@@ -72,8 +72,21 @@ vllm-router:
 	  $(PYTHON) -m venv "$(VLLM_ROUTER_DIR)" && \
 	  "$(VLLM_ROUTER_DIR)/bin/pip" install -q $(VLLM_ROUTER); }
 
+# Ray Serve (quill's optional extra, `pip install quill[ray]`), in a venv of its own that sees
+# quill's packages (ray[serve] brings uvloop and httptools, which uvicorn would otherwise pick
+# up in quill's own servers): tests/server/test_ray_serve.py runs quill on it.
+RAY_VENV := .venv-ray
+
+ray: setup
+	@test -x $(RAY_VENV)/bin/ray || { \
+	  echo "ray: installing Ray Serve into $(RAY_VENV) (once)"; \
+	  $(PYTHON) -m venv $(RAY_VENV) && \
+	  echo "import site; site.addsitedir('$(CURDIR)/$(VENV)/lib/python3.11/site-packages')" \
+	    > $$($(RAY_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/quill-venv.pth && \
+	  $(RAY_VENV)/bin/pip install -q -c $(VENV)/torch-constraint.txt -e '.[ray]'; }
+
 # The tests check every named model against transformers, so they install them first.
-test: setup models browser vllm-router
+test: setup models browser vllm-router ray
 	$(PY) -m pytest -q --durations=15
 
 lint: setup

@@ -49,6 +49,11 @@ class ReplicaBlocks:
             n += 1
         return n
 
+    @property
+    def size(self) -> int:
+        """Blocks held or expected (some of those maybe lapsed): how full it looks."""
+        return len(self.held) + len(self.expected)
+
     def expect(self, hashes: list[bytes], now: float) -> None:
         until = now + (EXPECT_S if self.has_events else APPROXIMATE_EXPECT_S)
         for h in hashes:

@@ -38,6 +38,9 @@ _OWN_FLAGS = {
     "--router-cache-threshold": 1,
     "--router-balance-abs-threshold": 1,
     "--router-balance-rel-threshold": 1,
+    "--data-parallel-backend": 1,
+    "--ray-address": 1,
+    "--cpus-per-replica": 1,
 }
 
 
@@ -187,7 +190,7 @@ def run_local(args, serve_argv: list[str]) -> int:
     app = build_router_app(
         urls,
         policy=args.router_policy,
-        model=_tokenizer_source(args.model),
+        model=model_path_for(args.model),
         settings=policy_settings(args, "router-"),
         api_key=args.api_key,
     )
@@ -216,7 +219,7 @@ def run_local(args, serve_argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-def _tokenizer_source(model: str | None) -> str:
+def model_path_for(model: str | None) -> str:
     """The model's path (the default or a named model's, made by the replicas' start), whose
     tokenizer and template the router reads prompts with."""
     from quill.config import EngineConfig

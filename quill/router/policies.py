@@ -31,6 +31,9 @@ class Candidate(Protocol):
 
     def matched(self, hashes: list[bytes], now: float) -> int: ...
 
+    @property
+    def blocks(self): ...  # quill/router/kv_index.ReplicaBlocks
+
 
 @dataclass(frozen=True)
 class CacheAwareSettings:
@@ -91,7 +94,10 @@ class CacheAware:
 
 
 def least_loaded(candidates: list):
-    return min(candidates, key=lambda c: c.load)
+    """The least loaded; of equals, the one holding the fewest blocks (SGLang's tie-break:
+    a new prefix goes where it evicts least, rather than every idle-time request to the
+    first replica)."""
+    return min(candidates, key=lambda c: (c.load, c.blocks.size))
 
 
 def make_policy(name: str, settings: CacheAwareSettings | None = None):

@@ -200,6 +200,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "cores and publishing its KV-cache events, behind a router at --host:--port "
         "(--router-policy picks how it routes)",
     )
+    parser.add_argument(
+        "--data-parallel-backend",
+        choices=("local", "ray"),
+        default="local",
+        help="where --data-parallel-size replicas run: local (this machine, the default) or "
+        "ray (a Ray Serve application on the Ray cluster at --ray-address: Ray places the "
+        "replicas, quill's policy routes them; needs `pip install quill[ray]`)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_ADDRESS", "auto"),
+        help="the Ray cluster's address for --data-parallel-backend ray (default: "
+        "$RAY_ADDRESS, else the cluster this machine belongs to)",
+    )
+    parser.add_argument(
+        "--cpus-per-replica",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--data-parallel-backend ray: the CPUs each replica asks Ray for (and is pinned "
+        "to on its node; default 1)",
+    )
     from quill.router.app import add_policy_arguments
 
     add_policy_arguments(parser, prefix="router-")
@@ -361,6 +383,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.request_body_timeout <= 0:
         print("quill serve: --request-body-timeout must be positive", file=sys.stderr)
         return 2
+    if args.data_parallel_backend == "ray" and not args.replicas:
+        print("quill serve: --data-parallel-backend ray needs --data-parallel-size",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.disaggregate or args.replicas:
         if args.role != "both":
             print("quill serve: --role is per instance; --disaggregate sets it", file=sys.stderr)
@@ -368,6 +394,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.replicas is not None and args.replicas < 1:
             print("quill serve: --replicas must be at least 1", file=sys.stderr)
             return 2
+        if args.data_parallel_backend == "ray":
+            return _run_ray(args)
         from quill.router.local import parse_split, run_local
 
         try:
@@ -400,3 +428,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     return server.exit_code
+
+
+def _run_ray(args) -> int:
+    try:
+        from quill.router.ray_serve import run_ray
+    except ImportError as e:
+        print(f"quill serve: --data-parallel-backend ray needs Ray Serve ({e}): "
+              "pip install 'quill[ray]'", file=sys.stderr)  # fmt: skip
+        return 2
+    from quill.router.local import instance_argv
+
+    return run_ray(args, instance_argv(getattr(args, "argv", [])[1:]))
