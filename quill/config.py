@@ -226,6 +226,9 @@ class EngineConfig:
     # The cost model's hardware: a preset or a `quill cost calibrate` file; default: this
     # machine's calibration when one was saved, else FLOPs and bytes only (no times, no $).
     hardware: str | None = None
+    # That saved calibration, when stale (quill/cost/freshness.py): refit | refuse | as-is;
+    # None: $QUILL_CALIBRATION, else refit.
+    calibration: str | None = None
     price_per_hour: float | None = None  # USD, to put a price on every request
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier prompts
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # a string is taken too

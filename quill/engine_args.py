@@ -90,6 +90,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: this machine's saved calibration, if any)",
     )
     parser.add_argument(
+        "--calibration",
+        choices=("refit", "refuse", "as-is"),
+        default=None,
+        help="when this machine's saved calibration is stale (another native build, CPU, torch "
+        "or weight formats): refit it once with a quick sweep (the default), refuse to start "
+        "(naming the command), or use it as it is (default: $QUILL_CALIBRATION, else refit)",
+    )
+    parser.add_argument(
         "--price-per-hour", type=float, default=None, help="USD per hour, to price requests"
     )
     parser.add_argument(
@@ -207,6 +215,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         record_steps=args.record_steps,
         speculative_config=args.speculative_config,
         hardware=args.hardware,
+        calibration=args.calibration,
         price_per_hour=args.price_per_hour,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,

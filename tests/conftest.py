@@ -7,10 +7,17 @@ engine, the reference model and the tensors those tests make go to that device
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(2)
+
+# A stale calibration in this machine's cache (quill/cost/freshness.py) would be refitted,
+# a minute each, by every engine the suite starts without --hardware: the suite uses what it
+# finds as it is (tests/test_calibration_freshness.py checks the refit itself).
+os.environ.setdefault("QUILL_CALIBRATION", "as-is")
 
 # The native library is chosen and loaded once per process; load it before any test points
 # QUILL_CACHE at an empty folder (where no library is built).

@@ -93,12 +93,16 @@ def cpu_info() -> dict:
     return info
 
 
-def default_out(dtype: str) -> Path:
+def default_out(dtype: str, key: dict | None = None) -> Path:
+    """Where this machine's calibration for `dtype` goes: one file per key (freshness.py), so
+    that calibrations for other weight formats or builds live side by side."""
     from quill.config import cache_dir
+    from quill.cost.freshness import key_name
 
     host = socket.gethostname() or cpu_info()["cpu_model"]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", host).strip("-") or "this-machine"
-    return cache_dir() / "hardware" / f"{slug}-{dtype}.json"
+    suffix = f"-{key_name(key)}" if key else ""
+    return cache_dir() / "hardware" / f"{slug}-{dtype}{suffix}.json"
 
 
 def _summary(steps: list[MeasuredStep], predicted: list[float]) -> dict:
@@ -149,8 +153,12 @@ def fit_spec(
         durations[i] - costs[i].roofline_s for i in small if shapes[i].kv_tokens_read == least
     )
     step_overhead = max(0.0, gaps[len(gaps) // 2])
+    from quill.cost.freshness import current_key, weight_formats
+
     calibration = {
         **coefficients,
+        "key": current_key(weight_formats(engine.runner.model)),
+        "quantization": engine.config.quantization,
         "model": model.name,
         "model_path": str(engine.model_path),
         "dtype": dtype,
@@ -275,7 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
     p.add_argument("--tokenizer", help="tokenizer source (needed with --load-format dummy)")
-    p.add_argument("--out", help="hardware file to write (default: $QUILL_CACHE/hardware/...)")
+    p.add_argument(
+        "--out",
+        help="hardware file to write (default: $QUILL_CACHE/hardware/...; "
+        "with --check: its report, JSON)",
+    )
     p.add_argument("--name", help="the hardware's name in the file (default: CPU or GPU name)")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (about a minute)")
     p.add_argument("--max-batch", type=int, help="largest decode batch (default 64)")
@@ -293,6 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of a sweep, keeping the rates of --base: what a step costs while serving",
     )
     p.add_argument("--base", metavar="FILE", help="the hardware file --from-steps starts from")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        help="the weights' quantization while measuring (none, the default; int8, int4, auto: "
+        "what the server to be priced runs)",
+    )
+    p.add_argument(
+        "--check",
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help="measure a calibration's error on held-out steps (shapes it was not fitted on) and "
+        "whether it is stale for this process; FILE, or this machine's newest",
+    )
     p.add_argument(
         "--tp-sizes",
         default=None,
@@ -319,6 +345,10 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.from_steps:
         return _refit(args)
+    if args.check is not None:
+        from quill.cost.check import check
+
+        return check(args)
 
     threads = set_threads(args.threads)
     print(
@@ -335,8 +365,9 @@ def _main(args: argparse.Namespace) -> int:
     )
     started = time.perf_counter()
     engine = engine_for(
-        cases, args.model, args.dtype, args.device, args.load_format, args.tokenizer
-    )
+        cases, args.model, args.dtype, args.device, args.load_format, args.tokenizer,
+        quantization=args.quantization,
+    )  # fmt: skip
     dtype = str(engine.dtype).removeprefix("torch.")
     model = ModelSpec.from_path(engine.model_path, engine.dtype.itemsize)
     model.kv_bytes_per_element = engine.kv_format.bytes_per_element
@@ -361,7 +392,7 @@ def _main(args: argparse.Namespace) -> int:
                 f"  {size} ranks: {entry['latency_s'] * 1e6:.0f} us + bytes at "
                 f"{entry['bandwidth'] / 1e9:.2f} GB/s"
             )
-    out = Path(args.out) if args.out else default_out(dtype)
+    out = Path(args.out) if args.out else default_out(dtype, spec.calibration["key"])
     out.parent.mkdir(parents=True, exist_ok=True)
     spec.save(out)
     if args.save_steps:

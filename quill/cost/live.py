@@ -127,7 +127,15 @@ def find_calibration(dtype: str, directory: Path | None = None) -> HardwareSpec 
 
 
 def find_calibration_file(dtype: str, directory: Path | None = None) -> Path | None:
-    """The path of what `find_calibration` loads."""
+    """The path of what `find_calibration` loads (whatever its key: quill/cost/freshness.py
+    picks by key)."""
+    found = saved_calibrations(dtype, directory)
+    return max(found)[1] if found else None
+
+
+def saved_calibrations(dtype: str, directory: Path | None = None) -> list[tuple]:
+    """(modified time, path, its calibration) of each hardware file saved on this machine
+    with a `dtype` rate."""
     directory = directory or cache_dir() / "hardware"
     found = []
     for path in directory.glob("*.json"):
@@ -137,5 +145,5 @@ def find_calibration_file(dtype: str, directory: Path | None = None) -> Path | N
             continue
         calibration = spec.get("calibration") or {}
         if calibration.get("dtype", dtype) == dtype and spec.get("flops", {}).get(dtype):
-            found.append((path.stat().st_mtime, path))
-    return max(found)[1] if found else None
+            found.append((path.stat().st_mtime, path, calibration))
+    return found

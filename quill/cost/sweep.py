@@ -217,8 +217,11 @@ def engine_for(
     load_format: str = "auto",
     tokenizer: str | None = None,
     block_size: int = 16,
+    quantization: str = "none",
 ):
-    """An LLMEngine whose token budget and KV pool hold every case (and no more)."""
+    """An LLMEngine whose token budget and KV pool hold every case (and no more).
+    `quantization`: the weights' (none by default: the cost model prices them in `dtype`; a
+    calibration for a server that quantizes is fitted with its quantization)."""
     from pathlib import Path
 
     import torch
@@ -246,7 +249,9 @@ def engine_for(
         max_num_batched_tokens=max(c.step_tokens for c in cases),
         max_num_seqs=max(c.decodes + c.chunks for c in cases),
         kv_cache_memory=int((blocks + 4) * block_size * spec.kv_bytes_per_token),
-        # The cost model prices the weights in `dtype`; auto would run small steps in int8.
-        quantization="none",
+        quantization=quantization,
+        # Measuring needs no prices, and must not look for (and refit) a calibration itself.
+        cost_accounting=False,
+        predict_ttft=False,
     )
     return LLMEngine(config)

@@ -421,18 +421,17 @@ def _make_spec_switch(speculative, accountant):
 def _make_accountant(config: EngineConfig, built):
     """Prices every step on the configured hardware, or this machine's saved calibration."""
     from quill.cost.hardware import HardwareSpec
-    from quill.cost.live import CostAccountant, find_calibration
+    from quill.cost.live import CostAccountant
     from quill.cost.model import ModelSpec
     from quill.cost.step import CostModel
 
     bytes_per_param = read_bytes_per_param(built.runner.model, built.dtype.itemsize)
     model = ModelSpec.from_hf_config(built.hf_config, bytes_per_param=bytes_per_param)
     model.kv_bytes_per_element = built.kv_format.bytes_per_element  # the cache's, not the weights'
-    dtype = str(built.dtype).removeprefix("torch.")
     if config.hardware is not None:
         hardware = HardwareSpec.resolve(config.hardware)
     else:
-        hardware = find_calibration(dtype)
+        hardware = _saved_calibration(config, built)
     if hardware is None:
         log.info(
             "cost: no hardware spec (--hardware, or run `quill cost calibrate` once); requests "
@@ -441,6 +440,25 @@ def _make_accountant(config: EngineConfig, built):
         return CostAccountant(model, None, config.price_per_hour)
     log.info("cost: pricing steps on %s", hardware.name)
     return CostAccountant(model, CostModel(model, hardware), config.price_per_hour)
+
+
+def _saved_calibration(config: EngineConfig, built):
+    """This machine's calibration for the model as built: one whose key (freshness.py) is
+    this process's, or a stale one refitted, refused or taken as it is."""
+    from quill.cost import freshness
+    from quill.cost.hardware import HardwareSpec
+
+    dtype = str(built.dtype).removeprefix("torch.")
+    key = freshness.current_key(freshness.weight_formats(built.runner.model))
+    path, reasons = freshness.find(dtype, key)
+    if path is None:
+        return None
+    if reasons:
+        policy = config.calibration or freshness.default_policy()
+        path = freshness.resolve_stale(
+            path, reasons, policy, str(built.model_path), dtype, config.quantization or "none", key
+        )
+    return HardwareSpec.load(path)
 
 
 def read_bytes_per_param(model, float_bytes: int) -> float:
