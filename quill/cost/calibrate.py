@@ -105,6 +105,17 @@ def default_out(dtype: str, key: dict | None = None) -> Path:
     return cache_dir() / "hardware" / f"{slug}-{dtype}{suffix}.json"
 
 
+def step_time_ratios(steps: list[MeasuredStep], predicted: list[float]) -> list[float]:
+    """Percentiles 0, 1, ..., 100 of measured / predicted over the fitted steps: how far a
+    step strays from the model's price (the simulator draws from it: quill/sim/jitter.py)."""
+    import numpy as np
+
+    ratios = [s.duration / p for s, p in zip(steps, predicted) if p > 0]
+    if not ratios:
+        return []
+    return [round(float(x), 5) for x in np.percentile(ratios, range(101))]
+
+
 def _summary(steps: list[MeasuredStep], predicted: list[float]) -> dict:
     measured = [s.duration for s in steps]
     out = {"all": fit.error_summary(predicted, measured)}
@@ -168,6 +179,7 @@ def fit_spec(
         "fitted_steps": len(steps),
         "fitted_cases": len({s.case for s in steps}),
         "fit_error": _summary(steps, predicted),
+        "step_time_ratios": step_time_ratios(steps, predicted),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "cpu_model": cpu["cpu_model"],
@@ -423,6 +435,7 @@ def refit_spec(base: HardwareSpec, model: ModelSpec, steps: list[MeasuredStep]) 
         coefficients,
         fitted_steps=len(steps),
         fit_error=_summary(steps, predicted),
+        step_time_ratios=step_time_ratios(steps, predicted),
         date=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     return replace(base, calibration=calibration)
@@ -456,6 +469,32 @@ def recorded_steps(path: str | Path, skip: int = 0) -> list[MeasuredStep]:
     return steps
 
 
+def step_gaps(records: list[dict], busy_s: float = 0.01) -> dict | None:
+    """The host's time between back-to-back steps (one step's end to the next one's start,
+    where under `busy_s`: the engine had work waiting), as base + per sequence of the step
+    before (its outputs are processed then), least squares, neither below zero. It is outside
+    every recorded step's duration, so a step model alone leaves it out."""
+    import numpy as np
+
+    timed = [r for r in records if "start" in r]
+    pairs = [(len(a["seqs"]), b["start"] - a["start"] - a["duration"])
+             for a, b in zip(timed, timed[1:])]  # fmt: skip
+    pairs = [(n, g) for n, g in pairs if 0 <= g < busy_s]
+    if len(pairs) < 10:
+        return None
+    seqs = np.array([n for n, _ in pairs], dtype=float)
+    gaps = np.array([g for _, g in pairs])
+    if np.ptp(seqs) > 0:
+        slope, base = np.polyfit(seqs, gaps, 1)
+    else:
+        slope, base = 0.0, float(np.mean(gaps))
+    if slope < 0:
+        slope, base = 0.0, float(np.mean(gaps))
+    if base < 0:
+        base, slope = 0.0, float(np.sum(seqs * gaps) / np.sum(seqs * seqs))
+    return {"base_s": float(base), "per_seq_s": float(slope), "steps": len(pairs)}
+
+
 def _refit(args: argparse.Namespace) -> int:
     if not args.base or not args.out:
         raise ValueError("--from-steps needs --base FILE (the rates to keep) and --out FILE")
@@ -463,6 +502,13 @@ def _refit(args: argparse.Namespace) -> int:
     model = calibrated_model(base, args.model)
     steps = recorded_steps(args.from_steps)
     spec = refit_spec(base, model, steps)
+    from quill.engine.record import read_steps
+
+    gaps = step_gaps(read_steps(args.from_steps))
+    if gaps is not None:
+        spec.calibration["step_gap"] = gaps
+        print(f"between steps: {gaps['base_s'] * 1e3:.2f} ms + {gaps['per_seq_s'] * 1e6:.0f} us "
+              f"per sequence ({gaps['steps']} back-to-back steps)")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     spec.save(args.out)
     print(f"fitted on {len(steps)} recorded steps of {args.from_steps}:")

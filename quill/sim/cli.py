@@ -120,6 +120,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSONL requests (see below), instead of the rate and length flags",
     )
     work.add_argument("--seed", type=int, default=0)
+    sched_jitter = parser.add_argument_group("step times")
+    sched_jitter.add_argument(
+        "--step-jitter",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="multiply each step's price by a ratio drawn from those the hardware file's "
+        "calibration measured (measured / predicted; a serving calibration's hold a serving "
+        "engine's scatter): the spread that makes tails (default: on, where the file has them)",
+    )
     sched = parser.add_argument_group("engine")
     add_scheduler_arguments(sched)
     sched.add_argument("--max-model-len", type=int, default=None)
@@ -261,6 +270,8 @@ def _setup(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         context_len=model_context_len(args.model, model),
         enable_prefix_caching=args.enable_prefix_caching,
+        step_jitter=args.step_jitter,
+        seed=args.seed,
     )
     if args.trace:
         items = read_trace(args.trace, args.num_requests, check=config.check_request)

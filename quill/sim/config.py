@@ -39,6 +39,13 @@ class SimConfig:
     # host whose link is its own copies, as two instances on one machine): while both run,
     # each goes at half speed. Otherwise the link is a device of its own (a NIC, NVLink).
     fetch_shares_cores: bool = False
+    # Percentiles 0..100 of measured / predicted step time (the calibration's): each step's
+    # price is multiplied by a draw (quill/sim/jitter.py); None: every step at its price.
+    step_jitter: tuple[float, ...] | None = None
+    seed: int = 0  # of the jitter's draws (each replica its own stream)
+    # The host's time between back-to-back steps: (base seconds, seconds per sequence of the
+    # step), measured by a serving calibration (`calibrate --from-steps`); (0, 0) without.
+    step_gap: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def create(
@@ -55,6 +62,8 @@ class SimConfig:
         context_len: int | None = None,
         enable_prefix_caching: bool = True,
         fetch_shares_cores: bool = False,
+        step_jitter: bool = True,
+        seed: int = 0,
     ) -> SimConfig:
         """Raises ValueError on anything impossible. `kv_cache_memory` is bytes per device;
         without it the pool is what is left of 90% of the memory after the weights. Like the
@@ -104,6 +113,9 @@ class SimConfig:
             block_size=block_size,
             enable_prefix_caching=enable_prefix_caching,
             fetch_shares_cores=fetch_shares_cores,
+            step_jitter=step_ratios(hardware) if step_jitter else None,
+            seed=seed,
+            step_gap=step_gap(hardware),
         )
 
     @property
@@ -139,7 +151,20 @@ class SimConfig:
             "max_model_len": self.max_model_len,
             "num_kv_blocks": self.num_blocks,
             "kv_cache_tokens": self.kv_tokens,
+            "step_jitter": self.step_jitter is not None,
+            "step_gap_s": list(self.step_gap),
         }
+
+
+def step_ratios(hardware: HardwareSpec) -> tuple[float, ...] | None:
+    """The calibration's step-time ratio percentiles, if it measured them."""
+    ratios = (hardware.calibration or {}).get("step_time_ratios")
+    return tuple(ratios) if ratios and len(ratios) == 101 else None
+
+
+def step_gap(hardware: HardwareSpec) -> tuple[float, float]:
+    gap = (hardware.calibration or {}).get("step_gap") or {}
+    return (float(gap.get("base_s", 0.0)), float(gap.get("per_seq_s", 0.0)))
 
 
 def model_context_len(name_or_path: str, spec: ModelSpec) -> int | None:

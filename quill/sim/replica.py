@@ -22,6 +22,7 @@ from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request, RequestTimes
 from quill.engine.scheduler import Scheduler
 from quill.sim.config import SimConfig
+from quill.sim.jitter import StepJitter
 from quill.sim.metrics import MetricsSink
 from quill.sim.workload import WorkItem
 
@@ -73,10 +74,20 @@ class SimExecutor:
     of each that ended, for the event loop to collect.
     """
 
-    def __init__(self, cost: CostModel, clock: VirtualClock, shares_cores: bool = False) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        clock: VirtualClock,
+        shares_cores: bool = False,
+        jitter=None,
+        gap: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
         self.cost = cost
         self.clock = clock
         self.shares_cores = shares_cores
+        self.jitter = jitter  # quill/sim/jitter.StepJitter, or None
+        # The host's time after a step, before the next can start (SimConfig.step_gap).
+        self.gap_base, self.gap_per_seq = gap
         self.num_steps = 0
         self.num_polls = 0  # plans of fetches alone
         self.busy_s = 0.0
@@ -95,6 +106,9 @@ class SimExecutor:
         if plan.seqs:
             shape = self.cost.model.shape_of(plan)
             seconds = self.cost.price(shape).predicted_s
+            if self.jitter is not None:
+                seconds *= self.jitter.draw()
+            seconds += self.gap_base + self.gap_per_seq * len(plan.seqs)
             self.num_steps += 1
             self.busy_s += seconds
             self.prefill_tokens += shape.num_prefill_tokens
@@ -165,7 +179,12 @@ class Replica:
         self.sink = sink
         self.output_cap = output_cap
         self.clock = VirtualClock()
-        self.executor = SimExecutor(config.cost, self.clock, config.fetch_shares_cores)
+        jitter = None
+        if config.step_jitter is not None:
+            jitter = StepJitter(list(config.step_jitter), f"{config.seed}:{name}")
+        self.executor = SimExecutor(
+            config.cost, self.clock, config.fetch_shares_cores, jitter, config.step_gap
+        )
         self.tokens = PromptTokens() if tokens is None else tokens
         kv = KVCacheManager(
             config.num_blocks,

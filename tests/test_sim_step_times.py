@@ -1,0 +1,98 @@
+"""What the simulator adds to a step's price for tails: the host's time between steps and the
+step-to-step jitter a serving calibration measured (quill/sim/jitter.py), checked against
+hand-worked queues and against the measured ratios they come from."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from quill.cost.batch import BatchShape
+from quill.cost.calibrate import step_gaps
+from quill.cost.model import ModelSpec
+from quill.cost.step import CostModel
+from quill.sim.cluster import run_colocated
+from quill.sim.config import SimConfig
+from quill.sim.jitter import StepJitter
+from quill.sim.workload import WorkItem
+from tests.test_sim import TOY
+
+
+def _prices(model) -> tuple[list[float], list[float]]:
+    """Prompt 100 under a 64-token budget: two chunks, then four decodes (test_sim.py)."""
+    cost = CostModel(model, TOY)
+    chunks = [BatchShape.from_seqs([(0, 64, False, False)]), BatchShape.abstract([(36, 64)])]
+    decodes = [BatchShape.decodes(1, context) for context in (100, 101, 102, 103)]
+    return [cost.price(s).predicted_s for s in chunks], [cost.price(s).predicted_s for s in decodes]
+
+
+def test_a_lone_request_pays_each_step_its_price_times_the_draw_plus_the_gap():
+    model = ModelSpec.abstract(1e9, 2)
+    plain = SimConfig.create(model, TOY, max_num_batched_tokens=64, max_model_len=1024)
+    # Every ratio 1.5: each step takes 1.5x its price, then 2 ms + 0.5 ms per sequence.
+    config = replace(plain, step_jitter=(1.5,) * 101, step_gap=(0.002, 0.0005))
+    item = WorkItem("0", 0.5, prompt_tokens=100, output_tokens=5)
+    out = run_colocated(config, [item])["results"]
+    prefill, decode = _prices(model)
+    gap = 0.002 + 0.0005
+    steps = [1.5 * p + gap for p in prefill], [1.5 * d + gap for d in decode]
+    assert out["ttft_ms"]["mean"] == pytest.approx(sum(steps[0]) * 1000, rel=1e-12)
+    assert out["e2e_ms"]["mean"] == pytest.approx((sum(steps[0]) + sum(steps[1])) * 1000, rel=1e-12)
+    assert out["itl_ms"]["max"] == pytest.approx(max(steps[1]) * 1000, rel=1e-12)
+
+
+def test_an_arrival_waits_for_the_step_running_when_it_comes():
+    """B arrives while A's first chunk runs: it starts only when that step (and its gap)
+    ends, and its prompt (10 tokens) rides in the next step beside A's second chunk."""
+    model = ModelSpec.abstract(1e9, 2)
+    config = replace(
+        SimConfig.create(model, TOY, max_num_batched_tokens=64, max_model_len=1024),
+        step_gap=(0.001, 0.0),
+    )
+    cost = CostModel(model, TOY)
+    first = cost.price(BatchShape.from_seqs([(0, 64, False, False)])).predicted_s + 0.001
+    a = WorkItem("a", 0.0, prompt_tokens=100, output_tokens=2)
+    b = WorkItem("b", first / 2, prompt_tokens=10, output_tokens=2)
+    out = run_colocated(config, [a, b], record=True)
+    # Step 2 holds A's last 36 prompt tokens and B's whole prompt (46 of the 64 tokens).
+    second = cost.price(BatchShape.from_seqs([(64, 36, True, False), (0, 10, True, False)]))
+    both_done = first + second.predicted_s + 0.001
+    ttft = out["results"]["ttft_ms"]
+    assert ttft["max"] == pytest.approx(both_done * 1000, rel=1e-12)  # A, from t = 0
+    ttft_b = both_done - first / 2
+    assert ttft["mean"] == pytest.approx((both_done + ttft_b) / 2 * 1000, rel=1e-12)
+
+
+def test_draws_follow_the_measured_ratios():
+    rng = np.random.default_rng(0)
+    measured = rng.lognormal(0.0, 0.3, 5000)
+    percentiles = [float(x) for x in np.percentile(measured, range(101))]
+    jitter = StepJitter(percentiles, seed="0:replica 0")
+    draws = np.array([jitter.draw() for _ in range(20000)])
+    for q in (10, 50, 90, 99):
+        assert np.percentile(draws, q) == pytest.approx(np.percentile(measured, q), rel=0.03)
+    again = StepJitter(percentiles, seed="0:replica 0")
+    assert [again.draw() for _ in range(5)] == list(draws[:5])  # a run repeats
+    with pytest.raises(ValueError):
+        StepJitter([1.0, 0.5] + [1.0] * 99, seed=0)
+
+
+def test_step_gaps_recover_the_hosts_time_between_busy_steps():
+    """Records as `--record-steps` writes them: back-to-back steps 0.3 ms + 20 us per sequence
+    apart (with noise), and idle pauses the fit must leave out."""
+    rng = np.random.default_rng(1)
+    records, t = [], 0.0
+    for i in range(400):
+        n = int(rng.integers(1, 33))
+        duration = 0.005 + 0.0002 * n
+        records.append({"step": i, "start": t, "duration": duration, "seqs": [[0, 1, 1, 1]] * n})
+        t += duration + 0.0003 + 0.00002 * n + rng.normal(0, 2e-5)
+        if i % 50 == 49:
+            t += 0.5  # idle: no request waiting
+    gaps = step_gaps(records)
+    assert gaps["base_s"] == pytest.approx(0.0003, abs=2e-5)
+    assert gaps["per_seq_s"] == pytest.approx(0.00002, rel=0.05)
+    assert gaps["steps"] == 400 - 1 - 7
+    assert step_gaps(records[:5]) is None  # too few to say
