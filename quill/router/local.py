@@ -83,6 +83,22 @@ def instance_argv(serve_argv: list[str]) -> list[str]:
     return out
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, deadline: float) -> None:
+    """Until the server `proc` runs answers `url`/health; RuntimeError if it exits first or
+    the deadline (monotonic) passes."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the instance at {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the instance at {url} did not start in time")
+        time.sleep(0.2)
+
+
 class LocalCluster:
     """The instance processes; `start` waits until all answer /health."""
 
@@ -124,20 +140,12 @@ class LocalCluster:
             # streams and stops its engine (quill/lifetime.py).
             self.procs.append(subprocess.Popen(cmd, preexec_fn=child_setup(signal.SIGTERM, cores)))
         deadline = time.monotonic() + timeout_s
-        for proc, url in zip(self.procs, self.urls):
-            while True:
-                if proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"the instance at {url} exited with {proc.returncode}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"the instance at {url} did not start in {timeout_s} s")
-                time.sleep(0.2)
+        try:
+            for proc, url in zip(self.procs, self.urls):
+                wait_healthy(proc, url, deadline)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def watch(self, on_exit) -> None:
         """Call `on_exit(url, message)` from a thread when an instance exits."""

@@ -49,6 +49,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from quill.distributed.ports import free_port
 from quill.lifetime import child_setup
 from quill.router.instances import WHOLE, Instance, Instances
+from quill.router.local import model_path_for, wait_healthy
 from quill.router.policies import CacheAware, CacheAwareSettings, make_policy
 from quill.router.prompt_blocks import CHAT, COMPLETIONS, PromptBlocks, prefix_hashes
 
@@ -122,23 +123,13 @@ class QuillReplica:
         log.info("quill replica: starting %s on cores %s", self.url, sorted(self.cores))
         # SIGTERM when this actor ends, however it ends: the server drains and stops.
         self.proc = subprocess.Popen(cmd, preexec_fn=child_setup(signal.SIGTERM, self.cores))
-        self._wait_ready(startup_timeout_s)
+        try:
+            wait_healthy(self.proc, self.url, time.monotonic() + startup_timeout_s)
+        except RuntimeError:
+            self.proc.terminate()
+            raise
         # No timeout on a reply: a long one streams for minutes.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.check_health()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.proc.terminate()
-                raise RuntimeError(f"the quill server {self.url} did not start in {timeout_s} s")
-            time.sleep(0.2)
 
     def record_replica_metadata(self) -> dict:
         return {"url": self.url, "cores": sorted(self.cores)}
@@ -355,8 +346,6 @@ def build(args: dict):
     """For `serve run quill.router.ray_serve:build replicas=2 serve_args="..."` (and Ray's
     config files): replicas, cpus_per_replica, policy, model (a quill model name or path),
     serve_args (the replicas' `quill serve` flags)."""
-    from quill.router.local import model_path_for
-
     argv = shlex.split(args.get("serve_args", ""))
     model = args.get("model")
     if model:
@@ -376,7 +365,6 @@ def run_ray(args, serve_argv: list[str]) -> int:
     import ray
 
     from quill.router.app import policy_settings
-    from quill.router.local import model_path_for
 
     ray.init(address=args.ray_address, logging_level=logging.WARNING)
     needed = args.replicas * args.cpus_per_replica
