@@ -129,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="real runs per rate (their spread)")
+    p.add_argument(
+        "--front-latency",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add the measured time outside the engine before a first token (client TTFT - "
+        "the server's, on the serving-calibration stream) to the simulated TTFT and E2E",
+    )
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument(
         "--serving-calibration",
@@ -194,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
             # model on steps the server recorded under load (another seed: held out).
             # Two loads, so the steps span small and full batches: a Poisson stream at 60% of
             # the calibration's saturation, and a burst of every request at once.
+            fronts = []
             for rate, seed in ((saturation(config) * 0.6, 100), (float("inf"), 101)):
                 print(f"serving calibration: {args.num_prompts} requests at {rate:.3f} req/s")
                 items = workload(rate, seed=args.seed + seed)
-                asyncio.run(run_workload(server.url, model_name, items, make_prompt))
+                records = asyncio.run(run_workload(server.url, model_name, items, make_prompt))
+                if rate != float("inf"):  # a burst's requests queue in the API process too
+                    fronts += [r.ttft - r.server_ttft for r in records
+                               if r.ok and r.server_ttft is not None]  # fmt: skip
             lines = steps_file.read_text().splitlines()[num_warm:]
             recorded = steps_file.with_name("serving-steps.jsonl")
             recorded.write_text("\n".join(lines) + "\n")
@@ -206,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                 ["--from-steps", str(recorded), "--base", hardware_path, "--out", str(fitted)]
             )
             hardware = HardwareSpec.load(fitted)
-            config = replace(config, cost=CostModel(model, hardware))
+            front = statistics.median(fronts) if fronts and args.front_latency else 0.0
+            print(f"outside the engine before a first token (client TTFT - server's): median "
+                  f"{front * 1e3:.1f} ms of {len(fronts)} requests")  # fmt: skip
+            config = replace(config, cost=CostModel(model, hardware), front_latency_s=front)
         top = saturation(config)
         rates = [top * float(f) for f in args.fractions.split(",")]
         print(f"simulated saturation {top:.3f} req/s; rates {', '.join(f'{r:.3f}' for r in rates)}")

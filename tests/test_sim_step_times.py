@@ -96,3 +96,14 @@ def test_step_gaps_recover_the_hosts_time_between_busy_steps():
     assert gaps["per_seq_s"] == pytest.approx(0.00002, rel=0.05)
     assert gaps["steps"] == 400 - 1 - 7
     assert step_gaps(records[:5]) is None  # too few to say
+
+
+def test_the_way_in_and_out_adds_to_ttft_and_e2e_only():
+    model = ModelSpec.abstract(1e9, 2)
+    plain = SimConfig.create(model, TOY, max_num_batched_tokens=64, max_model_len=1024)
+    item = WorkItem("0", 0.5, prompt_tokens=100, output_tokens=5)
+    base = run_colocated(plain, [item])["results"]
+    out = run_colocated(replace(plain, front_latency_s=0.009), [item])["results"]
+    assert out["ttft_ms"]["mean"] == pytest.approx(base["ttft_ms"]["mean"] + 9.0, rel=1e-12)
+    assert out["e2e_ms"]["mean"] == pytest.approx(base["e2e_ms"]["mean"] + 9.0, rel=1e-12)
+    assert out["itl_ms"] == base["itl_ms"]

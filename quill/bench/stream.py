@@ -58,6 +58,9 @@ class StreamRecord:
     status: int | None = None
     error: str | None = None
     text: str = ""
+    # The server's own TTFT (from its arrival there), where it reports one (quill's last chunk:
+    # `metrics.time_to_first_token`): the client's minus it is the way in and out.
+    server_ttft: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -243,6 +246,9 @@ async def _stream(
                 record.ended = now
                 break
             text = chunk_text(chunk)
+            metrics = chunk.get("metrics")
+            if isinstance(metrics, dict) and metrics.get("time_to_first_token") is not None:
+                record.server_ttft = float(metrics["time_to_first_token"])
             tokens: int | None = None
             usage = openai_usage(chunk)
             if usage and usage.get("prompt_tokens") is not None:

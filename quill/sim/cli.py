@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 from quill import argtypes
 from quill.cost.hardware import HardwareSpec
@@ -121,6 +122,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     work.add_argument("--seed", type=int, default=0)
     sched_jitter = parser.add_argument_group("step times")
+    sched_jitter.add_argument(
+        "--front-latency",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="time outside the engine before a first token (the request's way in and the "
+        "token's way out: a client's TTFT minus the server's own), added to every TTFT and "
+        "end-to-end latency (default 0: the engine's view)",
+    )
     sched_jitter.add_argument(
         "--step-jitter",
         action=argparse.BooleanOptionalAction,
@@ -273,6 +283,9 @@ def _setup(args: argparse.Namespace):
         step_jitter=args.step_jitter,
         seed=args.seed,
     )
+    if args.front_latency < 0:
+        raise ValueError(f"--front-latency must be at least 0, got {args.front_latency}")
+    config = replace(config, front_latency_s=args.front_latency / 1000)
     if args.trace:
         items = read_trace(args.trace, args.num_requests, check=config.check_request)
         if not items:

@@ -100,7 +100,7 @@ def run_colocated(
     record: bool = False,
 ) -> dict:
     """Every replica prefills and decodes its own requests (what `quill serve` does)."""
-    sink = MetricsSink(slo)
+    sink = MetricsSink(slo, config.front_latency_s)
     tokens = PromptTokens()
     replicas = [
         Replica(config, sink, f"replica {i}", record=record, tokens=tokens)
@@ -163,7 +163,7 @@ def run_disaggregated(
         raise ValueError(f"--disaggregate needs the interconnect bandwidth of {hardware.name}")
     if num_prefill < 1 or num_decode < 1:
         raise ValueError("--disaggregate needs at least one prefill and one decode replica")
-    sink = MetricsSink(slo)
+    sink = MetricsSink(slo, config.front_latency_s)
     tokens = PromptTokens()
     prefill = [
         Replica(config, sink, f"prefill {i}", output_cap=1, tokens=tokens)

@@ -46,6 +46,11 @@ class SimConfig:
     # The host's time between back-to-back steps: (base seconds, seconds per sequence of the
     # step), measured by a serving calibration (`calibrate --from-steps`); (0, 0) without.
     step_gap: tuple[float, float] = (0.0, 0.0)
+    # What a client sees outside the engine before its first token: the request's way in
+    # (HTTP, tokenizing, the engine's inbox) and the first token's way out (detokenizing, the
+    # stream). Measured by a benchmark against a server (client TTFT - the server's own);
+    # added to every TTFT and end-to-end latency. 0: the engine's view.
+    front_latency_s: float = 0.0
 
     @classmethod
     def create(
@@ -153,6 +158,7 @@ class SimConfig:
             "kv_cache_tokens": self.kv_tokens,
             "step_jitter": self.step_jitter is not None,
             "step_gap_s": list(self.step_gap),
+            "front_latency_s": self.front_latency_s,
         }
 
 

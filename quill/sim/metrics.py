@@ -134,8 +134,10 @@ class MetricsSink:
     inter-token latency (its time per output token) is too.
     """
 
-    def __init__(self, slo: SLO | None = None) -> None:
+    def __init__(self, slo: SLO | None = None, front_latency_s: float = 0.0) -> None:
+        """`front_latency_s`: added to every TTFT and end-to-end latency (SimConfig's)."""
         self.slo = slo
+        self.front_latency_s = front_latency_s
         self.ttft = Distribution()
         self.itl = Distribution()
         self.tpot = Distribution()
@@ -163,8 +165,8 @@ class MetricsSink:
         if times.first_token is None:  # ended before its first token
             self.num_truncated += 1
             return
-        ttft = times.first_token - arrival
-        e2e = times.finished - arrival
+        ttft = times.first_token - arrival + self.front_latency_s
+        e2e = times.finished - arrival + self.front_latency_s
         self.ttft.add(ttft)
         self.e2e.add(e2e)
         self.queue.add(times.first_scheduled - arrival)

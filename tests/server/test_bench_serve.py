@@ -143,3 +143,6 @@ def test_a_simulator_workload_runs_through_the_same_client(base_url, model_name)
     summary = summarize(records)
     assert summary["num_failed"] == 0 and summary["output_tokens"] == 12
     assert summary["itl_ms"]["count"] == 12 - 3  # every token but each reply's first
+    # The server's own TTFT (from its arrival there) rides on the last chunk: the client's,
+    # which also holds the way in and out, is longer.
+    assert all(0 < r.server_ttft < r.ttft for r in records)
