@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from quill.cost.batch import BatchShape
-from quill.cost.calibrate import step_gaps
 from quill.cost.model import ModelSpec
+from quill.cost.refit import step_gaps
 from quill.cost.step import CostModel
 from quill.sim.cluster import run_colocated
 from quill.sim.config import SimConfig

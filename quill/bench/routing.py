@@ -245,8 +245,8 @@ def compare(c: Comparison, work: SharedPrefixWorkload, hardware_path, log=print)
     from dataclasses import replace
     from pathlib import Path
 
-    from quill.cost.calibrate import calibrated_model, recorded_steps, refit_spec
     from quill.cost.hardware import HardwareSpec
+    from quill.cost.refit import calibrated_model, recorded_steps, refit_spec
     from quill.engine_args import parse_bytes
     from quill.sim.config import SimConfig
 

@@ -14,9 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from quill.cost.batch import BatchShape
-from quill.cost.calibrate import _summary, calibrated_model, calibration_cases
+from quill.cost.calibrate import calibration_cases
+from quill.cost.fit import error_summary_by_kind
 from quill.cost.freshness import current_key, stale_reasons, weight_formats
 from quill.cost.hardware import HardwareSpec
+from quill.cost.refit import calibrated_model
 from quill.cost.step import CostModel
 from quill.cost.sweep import Case, Sweep, engine_for
 
@@ -81,7 +83,7 @@ def check(args) -> int:
     steps = Sweep(engine).run(cases, "held-out steps", progress=not args.no_progress)
     cost = CostModel(calibrated_model(spec, str(engine.model_path)), spec)
     predicted = [cost.price(BatchShape.from_seqs(s.seqs)).predicted_s for s in steps]
-    summary = _summary(steps, predicted)
+    summary = error_summary_by_kind(steps, predicted)
     print(f"{path}: fitted {info.get('date', '?')} on {info.get('fitted_steps', '?')} steps")
     fitted = (info.get("fit_error") or {}).get("all") or {}
     if fitted:

@@ -214,3 +214,13 @@ def price_steps(
     """Shapes and costs of recorded steps given as (start, num_tokens, samples, is_decode)."""
     shapes = [BatchShape.from_seqs(seqs) for seqs in seqs_per_step]
     return shapes, [model.price(s) for s in shapes]
+
+
+def error_summary_by_kind(steps, predicted: Sequence[float]) -> dict:
+    """error_summary over all measured steps (`.duration`, `.kind`) and per kind."""
+    measured = [s.duration for s in steps]
+    out = {"all": error_summary(predicted, measured)}
+    for kind in ("decode", "prefill", "mixed"):
+        idx = [i for i, s in enumerate(steps) if s.kind == kind]
+        out[kind] = error_summary([predicted[i] for i in idx], [measured[i] for i in idx])
+    return out

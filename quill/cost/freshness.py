@@ -26,9 +26,12 @@ import json
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from quill.lifetime import child_setup
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,8 @@ def resolve_stale(
         )
     log.info("cost: the calibration %s is stale (%s); refitting it once, into %s (a quick "
              "sweep of engine steps, about a minute on a small model)", path, why, out)  # fmt: skip
-    done = subprocess.run(command)  # its progress bars on this console
+    # Its progress bars on this console; it ends with this process, however that ends.
+    done = subprocess.run(command, preexec_fn=child_setup(signal.SIGTERM))
     if done.returncode != 0:
         raise ValueError(f"refitting the calibration failed ({shown})")
     return out

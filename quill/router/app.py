@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 
@@ -21,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from quill.contract.errors import InvalidRequestError
+from quill.frontend.json_limits import DEFAULT_LIMITS
 from quill.router.instances import DECODE, PREFILL, WHOLE, Instances
 from quill.router.policies import POLICIES, CacheAwareSettings, make_policy
 from quill.router.prompt_blocks import PromptBlocks
@@ -82,9 +83,12 @@ def build_router_app(
 
     def proxy(path: str):
         async def endpoint(request: Request) -> Response:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as e:
+            try:  # bounded: a body nested past the parser's recursion is a 400, not a 500
+                text = (await request.body()).decode("utf-8")
+                body = DEFAULT_LIMITS.parse_text(text, "body", "the body")
+            except InvalidRequestError as e:
+                return error(400, str(e), "invalid_request_error")
+            except ValueError as e:  # not UTF-8
                 return error(400, f"the body is not JSON: {e}", "invalid_request_error")
             if not isinstance(body, dict):
                 return error(400, "the body must be a JSON object", "invalid_request_error")

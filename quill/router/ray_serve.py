@@ -46,6 +46,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from quill.contract.errors import InvalidRequestError
 from quill.distributed.ports import free_port
 from quill.lifetime import child_setup
 from quill.router.instances import WHOLE, Instance, Instances
@@ -299,9 +300,9 @@ class QuillIngress:
         return StreamingResponse(_stream(reply), head["status"], out, head["content_type"])
 
     def _prompt(self, path: str, body: bytes) -> tuple[list[int], str | None] | None:
-        try:
-            request = json.loads(body)
-        except ValueError:
+        try:  # bounded: a body nested past the parser's recursion is refused, not a 500
+            request = self.prompts.limits.parse_text(body.decode("utf-8"), "body", "the body")
+        except (InvalidRequestError, ValueError):
             return None  # the replica answers it with its 400
         if not isinstance(request, dict):
             return None

@@ -128,6 +128,11 @@ def test_ray_serve_passes_the_replicas_errors_and_request_ids(ray_app, model_nam
     with pytest.raises(openai.BadRequestError) as bad:
         through.chat.completions.create(model=model_name, messages=[], max_tokens=4)
     assert bad.value.body["type"] == "invalid_request_error"
+    # A body nested past Python's recursion: the ingress (which reads it to route it) passes
+    # it on, and the replica refuses it in OpenAI's shape.
+    deep = httpx.post(f"{ray_app}/v1/chat/completions", content="[" * 100_000 + "]" * 100_000,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)  # fmt: skip
+    assert deep.status_code in (400, 422) and "error" in deep.json(), deep.text
     with pytest.raises(openai.AuthenticationError):
         _client(ray_app).with_options(api_key="wrong").models.list()
     r = httpx.post(

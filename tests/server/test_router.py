@@ -157,6 +157,12 @@ def test_what_the_split_cannot_carry_goes_whole(split, client):
     assert _metrics(decode.base_url).get("quill:kv_transfers_total", 0) == before
     bad = httpx.post(f"{url}/v1/completions", headers=HEADERS, json={"prompt": "x", "top_p": 7})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+    # Bodies the router reads itself: nested past Python's recursion, not JSON, not UTF-8.
+    for body in ("[" * 100_000 + "]" * 100_000, "{nope", b"\xff\xfe"):
+        r = httpx.post(f"{url}/v1/completions", headers=HEADERS, content=body)
+        assert r.status_code == 400, (body[:8], r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{url}/health").status_code == 200
 
 
 def test_kv_transfer_params_echo_the_id_and_need_the_role(split, base_url):

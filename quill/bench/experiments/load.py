@@ -76,7 +76,7 @@ def _figures(summary: dict) -> dict:
 
 
 def _serving_fit(ctx, steps_file: Path, skip: int):
-    from quill.cost.calibrate import recorded_steps, refit_spec
+    from quill.cost.refit import recorded_steps, refit_spec
 
     steps = recorded_steps(steps_file, skip)
     return refit_spec(ctx.hardware, ctx.model, steps), len(steps)

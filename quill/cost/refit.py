@@ -1,0 +1,105 @@
+"""Fitting a calibration again on steps a serving engine recorded (`quill serve
+--record-steps`; `quill cost calibrate --from-steps`): its coefficients, the scatter of its
+steps around them, and the host's time between steps. What a step costs while serving, where
+the sweep of `quill cost calibrate` (calibrate.py) measures an engine alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from quill.cost import fit
+from quill.cost.hardware import HardwareSpec
+from quill.cost.model import ModelSpec, bytes_per_element, kv_bytes_per_element
+from quill.cost.step import CostModel
+from quill.cost.sweep import MeasuredStep
+
+
+def step_time_ratios(steps: list[MeasuredStep], predicted: list[float]) -> list[float]:
+    """Percentiles 0, 1, ..., 100 of measured / predicted over the fitted steps: how far a
+    step strays from the model's price (the simulator draws from it: quill/sim/jitter.py)."""
+    import numpy as np
+
+    ratios = [s.duration / p for s, p in zip(steps, predicted) if p > 0]
+    if not ratios:
+        return []
+    return [round(float(x), 5) for x in np.percentile(ratios, range(101))]
+
+
+def refit_spec(base: HardwareSpec, model: ModelSpec, steps: list[MeasuredStep]) -> HardwareSpec:
+    """`base` with its coefficients fitted again on other steps (its rates kept)."""
+    roofline = replace(base, calibration=None, step_overhead_s=0.0)
+    shapes, costs = fit.price_steps(CostModel(model, roofline), [s.seqs for s in steps])
+    durations = [s.duration for s in steps]
+    coefficients = fit.fit_calibration(
+        costs, shapes, durations, model.weight_bytes, 1 / base.memory_bandwidth, model.num_layers
+    )
+    layers = model.num_layers or 0
+    predicted = [fit.predict(coefficients, c, s, layers) for c, s in zip(costs, shapes)]
+    calibration = dict(base.calibration or {})
+    for key in ("kv_knee_bytes_per_layer", "s_per_kv_byte_over_knee"):
+        calibration.pop(key, None)
+    calibration.update(
+        coefficients,
+        fitted_steps=len(steps),
+        fit_error=fit.error_summary_by_kind(steps, predicted),
+        step_time_ratios=step_time_ratios(steps, predicted),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    return replace(base, calibration=calibration)
+
+
+def calibrated_model(spec: HardwareSpec, model_path: str | None = None) -> ModelSpec:
+    """The model as `spec` was calibrated on it (its dtype and KV cache dtype); `model_path`
+    another of the same dtypes."""
+    info = spec.calibration or {}
+    model = ModelSpec.from_path(
+        model_path or info["model_path"], bytes_per_element(info.get("dtype", "bfloat16"))
+    )
+    model.dtype = info.get("dtype", model.dtype)
+    model.kv_bytes_per_element = kv_bytes_per_element(
+        info.get("kv_cache_dtype", "auto"), model.dtype
+    )
+    return model
+
+
+def recorded_steps(path: str | Path, skip: int = 0) -> list[MeasuredStep]:
+    """The steps an engine recorded (`quill serve --record-steps FILE`), past the first
+    `skip`, as measured steps to fit on."""
+    from quill.engine.record import read_steps
+
+    steps = []
+    for record in read_steps(path)[skip:]:
+        seqs = [tuple(x) for x in record["seqs"]]
+        decodes = sum(1 for x in seqs if x[3])
+        kind = "decode" if decodes == len(seqs) else "mixed" if decodes else "prefill"
+        steps.append(MeasuredStep(f"step {record['step']}", kind, record["duration"], seqs))
+    return steps
+
+
+def step_gaps(records: list[dict], busy_s: float = 0.01) -> dict | None:
+    """The host's time between back-to-back steps (one step's end to the next one's start,
+    where under `busy_s`: the engine had work waiting), as base + per sequence of the step
+    before (its outputs are processed then), least squares, neither below zero. It is outside
+    every recorded step's duration, so a step model alone leaves it out."""
+    import numpy as np
+
+    timed = [r for r in records if "start" in r]
+    pairs = [(len(a["seqs"]), b["start"] - a["start"] - a["duration"])
+             for a, b in zip(timed, timed[1:])]  # fmt: skip
+    pairs = [(n, g) for n, g in pairs if 0 <= g < busy_s]
+    if len(pairs) < 10:
+        return None
+    seqs = np.array([n for n, _ in pairs], dtype=float)
+    gaps = np.array([g for _, g in pairs])
+    if np.ptp(seqs) > 0:
+        slope, base = np.polyfit(seqs, gaps, 1)
+    else:
+        slope, base = 0.0, float(np.mean(gaps))
+    if slope < 0:
+        slope, base = 0.0, float(np.mean(gaps))
+    if base < 0:
+        base, slope = 0.0, float(np.sum(seqs * gaps) / np.sum(seqs * seqs))
+    return {"base_s": float(base), "per_seq_s": float(slope), "steps": len(pairs)}
