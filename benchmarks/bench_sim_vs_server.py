@@ -17,6 +17,12 @@ calibration as it is.
 
     .venv/bin/python benchmarks/bench_sim_vs_server.py --hardware FILE --json out.json
 
+Any model quill serves (`--model DIR`, `--load-format dummy` for random weights of a real
+shape), weight and KV formats (`--dtype`, `--quantization`, `--kv-cache-dtype`), token budget
+and shared prefixes (`--prefix-tokens`, `--num-prefixes`); each real run also reports its
+preemptions and prefix-cache hit rate from the server's counters, beside the simulator's.
+benchmarks/bench_sim_validation.py runs it over the held-out configurations.
+
 Rates: the simulator's saturated throughput (every request at once) sets the top one; the other
 two are fractions of it (`--fractions`, default 0.3, 0.6, 0.9: exactly at saturation a queue
 grows without bound in both, and any error in the service rate is multiplied many times).
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import re
 import statistics
@@ -39,13 +46,17 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
+
 from quill.bench.client import random_prompt, run_workload, summarize
+from quill.cost.batch import BatchShape
 from quill.cost.calibrate import cpu_info
-from quill.cost.calibrate import main as calibrate_main
 from quill.cost.hardware import HardwareSpec
 from quill.cost.live import find_calibration_file
-from quill.cost.model import ModelSpec, bytes_per_element
+from quill.cost.model import ModelSpec, bytes_per_element, kv_bytes_per_element
+from quill.cost.refit import recorded_steps, refit_spec, step_gaps
 from quill.cost.step import CostModel
+from quill.engine.record import read_steps
 from quill.sim.cluster import run_colocated
 from quill.sim.config import SimConfig
 from quill.sim.workload import LengthSpec, synthetic
@@ -89,6 +100,109 @@ class Server:
             self.proc.kill()
 
 
+def variants(config: SimConfig) -> dict[str, SimConfig]:
+    """The simulator as configured ("sim": each kind of step drawing from its own measured
+    ratios), with every step drawing from all steps' ratios, and without draws."""
+    out = {"sim": config}
+    if config.step_jitter_by_kind:
+        out["sim-one-jitter"] = replace(config, step_jitter_by_kind=None)
+    if config.step_jitter is not None or config.step_jitter_by_kind:
+        out["sim-jitter-off"] = replace(config, step_jitter=None, step_jitter_by_kind=None)
+    return out
+
+
+def model_path(settings: dict) -> str:
+    from quill.model.default_model import default_model_dir
+
+    return settings["model"] or str(default_model_dir())
+
+
+def sim_config(settings: dict, hardware: HardwareSpec, front: float = 0.0) -> SimConfig:
+    """The simulated replica for the benchmark's settings (its flags, as a dict) on `hardware`
+    (its jitter and gaps too, where it has them), `front` seconds outside the engine."""
+    dtype = settings["dtype"]
+    model = ModelSpec.from_path(model_path(settings), bytes_per_param=bytes_per_element(dtype))
+    model.kv_bytes_per_element = kv_bytes_per_element(settings["kv_cache_dtype"], dtype)
+    config = SimConfig.create(
+        model,
+        hardware,
+        max_num_seqs=settings["max_num_seqs"],
+        max_num_batched_tokens=settings["max_num_batched_tokens"],
+        kv_cache_memory=settings["kv_cache_memory"],
+        max_model_len=settings["max_model_len"],
+    )
+    return replace(config, front_latency_s=front)
+
+
+def workload_of(settings: dict, rate: float, seed: int) -> list:
+    prompt = LengthSpec.parse(settings["input_len"])
+    output = LengthSpec.parse(settings["output_len"])
+    return list(synthetic(settings["num_prompts"], rate, prompt, output, seed=seed,
+                          prefix_tokens=settings["prefix_tokens"],
+                          num_prefixes=settings["num_prefixes"]))  # fmt: skip
+
+
+def held_out_steps(cost: CostModel, steps_file: Path, skip: int) -> dict:
+    """The step model (no jitter, no gap) against the steps the server recorded past `skip`
+    (a measured run's, held out from the fit): signed median and p90 |error|, and the ratio of
+    predicted to measured busy time; the figures that tell a wrong step price from a wrong
+    queue."""
+    steps = recorded_steps(steps_file, skip)
+    if not steps:
+        return {"steps": 0, "median": 0.0, "p90_abs": 0.0, "busy_ratio": 0.0}
+    predicted = [cost.price(BatchShape.from_seqs(s.seqs)).predicted_s for s in steps]
+    errors = [p / s.duration - 1 for p, s in zip(predicted, steps)]
+    by_kind = {}
+    for kind in ("decode", "prefill", "mixed"):
+        mine = [e for e, s in zip(errors, steps) if s.kind == kind]
+        if mine:
+            by_kind[kind] = {"steps": len(mine), "median": statistics.median(mine)}
+    return {
+        "steps": len(steps),
+        "median": statistics.median(errors),
+        "p90_abs": statistics.quantiles([abs(e) for e in errors], n=10)[-1]
+        if len(errors) > 1
+        else abs(errors[0]),
+        "busy_ratio": sum(predicted) / sum(s.duration for s in steps),
+        "by_kind": by_kind,
+    }
+
+
+def served_model(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+COUNTERS = {
+    "preemptions": "quill:num_preemptions_total",
+    "prefix_cache_queries": "quill:prefix_cache_queries_total",
+    "prefix_cache_hits": "quill:prefix_cache_hits_total",
+}
+
+
+def counters(url: str) -> dict[str, float]:
+    """The server's preemption and prefix-cache counters (Prometheus text, summed over labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        for key, name in COUNTERS.items():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def measured_run(url: str, model_name: str, items, make_prompt) -> dict:
+    """One real run of `items`: the client's summary, with the run's preemptions and prefix
+    cache hit rate from the server's counters."""
+    before = counters(url)
+    summary = summarize(asyncio.run(run_workload(url, model_name, items, make_prompt)))
+    after = counters(url)
+    delta = {k: after[k] - before[k] for k in COUNTERS}
+    summary["num_preemptions"] = delta["preemptions"]
+    queries = delta["prefix_cache_queries"]
+    summary["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / queries if queries else None
+    return summary
+
+
 METRICS = [(m, q) for m in ("ttft_ms", "itl_ms", "e2e_ms") for q in ("p50", "p90", "p99")]
 
 
@@ -113,13 +227,27 @@ def compare(reals: list[dict], sims: dict[str, dict]) -> dict:
                 "error": None if not mean or s is None else (s - mean) / mean,
             }
         out[metric if q is None else f"{metric[:-3]}_{q}"] = row
+    for key in ("num_preemptions", "prefix_cache_hit_rate"):  # reported, not scored
+        out[key] = {"server": [r.get(key) for r in reals],
+                    **{n: sim.get(key) for n, sim in sims.items()}}  # fmt: skip
     return out
+
+
+def scored(row: dict) -> bool:
+    return "spread" in row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hardware", help="calibrated spec (default: this machine's saved one)")
+    p.add_argument("--model", help="model directory (default: the default model)")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights from the config")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="none", help="the server's weights: none, int8, ...")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--prefix-tokens", type=int, default=0, help="tokens shared by prompts")
+    p.add_argument("--num-prefixes", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--input-len", default="128")
     p.add_argument("--output-len", default="32")
@@ -154,29 +282,25 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("no calibration for this machine: run `quill cost calibrate` first")
         hardware, hardware_path = HardwareSpec.load(found), str(found)
     base_hardware = hardware
-    from quill.model.default_model import default_model_dir
-
-    model_dir = default_model_dir()
-    model = ModelSpec.from_path(model_dir, bytes_per_param=bytes_per_element(args.dtype))
-    config = SimConfig.create(
-        model,
-        hardware,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory,
-        context_len=8192,
-    )
-    prompt, output = LengthSpec.parse(args.input_len), LengthSpec.parse(args.output_len)
+    settings = vars(args)
+    config = sim_config(settings, hardware)
+    model = config.cost.model
+    model_dir = model_path(settings)
 
     def workload(rate: float, seed: int = args.seed):
-        return list(synthetic(args.num_prompts, rate, prompt, output, seed=seed))
+        return workload_of(settings, rate, seed)
 
     def saturation(config: SimConfig) -> float:
         return run_colocated(config, workload(float("inf")))["results"]["request_throughput"]
 
     steps_file = Path(tempfile.mkdtemp()) / "steps.jsonl"
     flags = [
+        model_dir,
+        "--load-format", args.load_format,
         "--dtype", args.dtype,
+        "--quantization", args.quantization,
+        "--kv-cache-dtype", args.kv_cache_dtype,
+        "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--kv-cache-memory", str(args.kv_cache_memory),
@@ -187,14 +311,23 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     vocab = range(100, 40000)
 
+    prefixes: dict = {}
+
     def make_prompt(item) -> list[int]:
-        return random_prompt(item.prompt_tokens, rng, vocab)
+        """Random tokens; a prompt with a prefix_id starts with that prefix's own tokens."""
+        shared = min(item.prefix_tokens, item.prompt_tokens) if item.prefix_id is not None else 0
+        head = []
+        if shared:
+            if item.prefix_id not in prefixes:
+                prefixes[item.prefix_id] = random_prompt(args.prefix_tokens, rng, vocab)
+            head = prefixes[item.prefix_id][:shared]
+        return head + random_prompt(item.prompt_tokens - shared, rng, vocab)
 
     runs = []
     try:
-        model_name = "SmolLM2-135M-Instruct"
-        warm = synthetic(4, float("inf"), prompt, output, seed=args.seed + 1)
-        asyncio.run(run_workload(server.url, model_name, list(warm), lambda i: [7] * 8))
+        model_name = served_model(server.url)
+        warm = workload_of(settings, math.inf, args.seed + 1)[:4]
+        asyncio.run(run_workload(server.url, model_name, warm, lambda i: [7] * 8))
         num_warm = len(steps_file.read_text().splitlines())
         if args.serving_calibration:
             # The engine shares this machine with the HTTP side and the client: fit the step
@@ -212,35 +345,44 @@ def main(argv: list[str] | None = None) -> int:
             lines = steps_file.read_text().splitlines()[num_warm:]
             recorded = steps_file.with_name("serving-steps.jsonl")
             recorded.write_text("\n".join(lines) + "\n")
-            fitted = steps_file.with_name("serving.json")
-            calibrate_main(
-                ["--from-steps", str(recorded), "--base", hardware_path, "--out", str(fitted)]
-            )
-            hardware = HardwareSpec.load(fitted)
+            hardware = refit_spec(hardware, model, recorded_steps(recorded))
+            gaps = step_gaps(read_steps(recorded))
+            if gaps is not None:
+                hardware.calibration["step_gap"] = gaps
             front = statistics.median(fronts) if fronts and args.front_latency else 0.0
             print(f"outside the engine before a first token (client TTFT - server's): median "
                   f"{front * 1e3:.1f} ms of {len(fronts)} requests")  # fmt: skip
-            config = replace(config, cost=CostModel(model, hardware), front_latency_s=front)
+            config = sim_config(settings, hardware, front)
         top = saturation(config)
         rates = [top * float(f) for f in args.fractions.split(",")]
         print(f"simulated saturation {top:.3f} req/s; rates {', '.join(f'{r:.3f}' for r in rates)}")
-        sims = {"sim": config, "sim-jitter-off": replace(config, step_jitter=None)}
-        if config.step_jitter is None:
-            del sims["sim-jitter-off"]
+        sims = variants(config)
         for rate in rates:
             items = workload(rate)
-            reals = [summarize(asyncio.run(run_workload(server.url, model_name, items,
-                                                        make_prompt)))
-                     for _ in range(args.repeats)]  # fmt: skip
+            reals = []
+            for _ in range(args.repeats):
+                # Each run's prompts share prefixes of their own: its prefix cache starts
+                # cold, as the simulator's does (not warmed by the run before).
+                prefixes.clear()
+                seen = len(steps_file.read_text().splitlines())
+                reals.append(measured_run(server.url, model_name, items, make_prompt))
             simulated = {n: run_colocated(c, items)["results"] for n, c in sims.items()}
             row = {"rate": rate, "server": reals, "simulated": simulated,
-                   "compare": compare(reals, simulated)}  # fmt: skip
+                   "compare": compare(reals, simulated),
+                   "steps": held_out_steps(config.cost, steps_file, seen)}  # fmt: skip
             runs.append(row)
             failed = sum(r["num_failed"] for r in reals)
             print(f"\nrate {rate:.3f} req/s ({failed} failed)")
             head = "".join(f"{n + ' err':>18}" for n in sims)
             print(f"{'':10}{'server (runs)':>22}{'spread':>8}{head}")
+            steps = row["steps"]
+            print(f"the last run's {steps['steps']} steps against the step model: median "
+                  f"{steps['median']:+.1%}, p90 |error| {steps['p90_abs']:.1%}; predicted / "
+                  f"measured busy time {steps['busy_ratio']:.3f}")  # fmt: skip
             for name, c in row["compare"].items():
+                if not scored(c):
+                    print(f"{name:22}{c}")
+                    continue
                 runs_text = "/".join(f"{v:.1f}" for v in c["server"])
                 errs = "".join(f"{c[n]['error']:+18.1%}" for n in sims)
                 print(f"{name:10}{runs_text:>22}{c['spread']:8.1%}{errs}")
@@ -248,10 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     summary = {}
     for n in sims:
-        errors = [abs(c[n]["error"]) for r in runs for c in r["compare"].values()
-                  if c[n]["error"] is not None]  # fmt: skip
-        beyond = [abs(c[n]["error"]) - c["spread"] for r in runs for c in r["compare"].values()
-                  if c[n]["error"] is not None]  # fmt: skip
+        rows = [c for r in runs for c in r["compare"].values() if scored(c)]
+        errors = [abs(c[n]["error"]) for c in rows if c[n]["error"] is not None]
+        beyond = [abs(c[n]["error"]) - c["spread"] for c in rows if c[n]["error"] is not None]
         summary[n] = {
             "median_abs_error": statistics.median(errors) if errors else None,
             "max_abs_error": max(errors) if errors else None,
@@ -270,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": vars(args),
             "saturation_request_rate": top,
             "simulated_with": hardware.to_dict(),
+            "front_latency_s": config.front_latency_s,
             "runs": runs,
             "worst_error": verdict,
             "summary": summary,

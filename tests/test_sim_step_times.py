@@ -11,8 +11,9 @@ import pytest
 
 from quill.cost.batch import BatchShape
 from quill.cost.model import ModelSpec
-from quill.cost.refit import step_gaps
+from quill.cost.refit import step_gaps, step_time_ratios_by_kind
 from quill.cost.step import CostModel
+from quill.cost.sweep import MeasuredStep
 from quill.sim.cluster import run_colocated
 from quill.sim.config import SimConfig
 from quill.sim.jitter import StepJitter
@@ -63,6 +64,34 @@ def test_an_arrival_waits_for_the_step_running_when_it_comes():
     assert ttft["max"] == pytest.approx(both_done * 1000, rel=1e-12)  # A, from t = 0
     ttft_b = both_done - first / 2
     assert ttft["mean"] == pytest.approx((both_done + ttft_b) / 2 * 1000, rel=1e-12)
+
+
+def test_each_kind_of_step_draws_from_its_own_ratios():
+    """Prefill steps measured at their price (ratio 1), decodes at 2x, mixed not measured apart
+    (all steps' 1.5): the lone request's two chunks at 1x, its four decodes at 2x."""
+    model = ModelSpec.abstract(1e9, 2)
+    plain = SimConfig.create(model, TOY, max_num_batched_tokens=64, max_model_len=1024)
+    by_kind = {"prefill": (1.0,) * 101, "decode": (2.0,) * 101}
+    config = replace(plain, step_jitter=(1.5,) * 101, step_jitter_by_kind=by_kind)
+    item = WorkItem("0", 0.0, prompt_tokens=100, output_tokens=5)
+    out = run_colocated(config, [item])["results"]
+    prefill, decode = _prices(model)
+    # The second chunk samples the first token: a prefill step (no decode in it).
+    assert out["ttft_ms"]["mean"] == pytest.approx(sum(prefill) * 1000, rel=1e-12)
+    e2e = sum(prefill) + 2 * sum(decode)
+    assert out["e2e_ms"]["mean"] == pytest.approx(e2e * 1000, rel=1e-12)
+
+
+def test_ratios_by_kind_need_enough_steps_of_the_kind():
+    decodes = [MeasuredStep(f"d{i}", "decode", 0.01 * (1 + i / 100), [(9, 1, 1, 1)])
+               for i in range(100)]  # fmt: skip
+    mixed = [MeasuredStep(f"m{i}", "mixed", 0.05, [(9, 1, 1, 1), (0, 9, 1, 0)]) for i in range(5)]
+    ratios = step_time_ratios_by_kind(decodes + mixed, [0.01] * 100 + [0.1] * 5)
+    assert list(ratios) == ["decode"]  # 5 mixed steps: too few for their own
+    assert ratios["decode"][0] == pytest.approx(1.0) and ratios["decode"][100] == pytest.approx(
+        1.99
+    )
+    assert ratios["decode"][50] == pytest.approx(1.495)
 
 
 def test_draws_follow_the_measured_ratios():

@@ -28,6 +28,23 @@ def step_time_ratios(steps: list[MeasuredStep], predicted: list[float]) -> list[
     return [round(float(x), 5) for x in np.percentile(ratios, range(101))]
 
 
+MIN_KIND_STEPS = 20  # a kind's own ratios only from this many of its steps
+
+
+def step_time_ratios_by_kind(
+    steps: list[MeasuredStep], predicted: list[float]
+) -> dict[str, list[float]]:
+    """`step_time_ratios` of each kind of step (decode, prefill, mixed) with enough of them:
+    one step model leaves each kind its own bias (a fit dominated by the many short decodes
+    prices the few long prompt steps low), and what a queue multiplies is the long steps'."""
+    out = {}
+    for kind in ("decode", "prefill", "mixed"):
+        mine = [(s, p) for s, p in zip(steps, predicted) if s.kind == kind]
+        if len(mine) >= MIN_KIND_STEPS:
+            out[kind] = step_time_ratios([s for s, _ in mine], [p for _, p in mine])
+    return out
+
+
 def refit_spec(base: HardwareSpec, model: ModelSpec, steps: list[MeasuredStep]) -> HardwareSpec:
     """`base` with its coefficients fitted again on other steps (its rates kept)."""
     roofline = replace(base, calibration=None, step_overhead_s=0.0)
@@ -46,6 +63,7 @@ def refit_spec(base: HardwareSpec, model: ModelSpec, steps: list[MeasuredStep]) 
         fitted_steps=len(steps),
         fit_error=fit.error_summary_by_kind(steps, predicted),
         step_time_ratios=step_time_ratios(steps, predicted),
+        step_time_ratios_by_kind=step_time_ratios_by_kind(steps, predicted),
         date=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     return replace(base, calibration=calibration)

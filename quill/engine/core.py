@@ -169,6 +169,11 @@ class EngineCore:
         return min(lease.expires_at for lease in leases.values()) if leases else None
 
     @property
+    def has_pending(self) -> bool:
+        """Adds, aborts or releases sent in and not yet taken (the next step takes them)."""
+        return bool(self._pending)
+
+    @property
     def num_unscheduled(self) -> int:
         """Requests waiting for their first step: queued adds plus the scheduler's waiting."""
         with self._lock:

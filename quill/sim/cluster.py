@@ -120,7 +120,8 @@ def run_colocated(
                 continue
             if replica is None:
                 break
-            finished = replica.step()
+            # Replicas meet only through arrivals: each may run ahead to the next one.
+            finished = replica.step(item.arrival_time if item is not None else math.inf)
             route.stepped(replica)
             for request in finished:
                 _check(request)
@@ -219,7 +220,13 @@ def run_disaggregated(
                 continue
             if replica is None:
                 break
-            finished = replica.step()
+            # A decode replica meets the others through arrivals and hand-overs, and a
+            # hand-over can come from any step a prefill replica has yet to run.
+            until = min(arrival, hand_overs[0][0] if hand_overs else math.inf)
+            for other in prefill:
+                if other.busy and other.clock.t < until:
+                    until = other.clock.t
+            finished = replica.step(until)
             if replica.output_cap == 1:
                 done_count = sum(prefilled(replica, request) for request in finished)
             else:

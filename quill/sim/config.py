@@ -42,6 +42,9 @@ class SimConfig:
     # Percentiles 0..100 of measured / predicted step time (the calibration's): each step's
     # price is multiplied by a draw (quill/sim/jitter.py); None: every step at its price.
     step_jitter: tuple[float, ...] | None = None
+    # The same per kind of step ("decode", "prefill", "mixed"), where measured apart; a step
+    # of a kind not here draws from step_jitter.
+    step_jitter_by_kind: dict[str, tuple[float, ...]] | None = None
     seed: int = 0  # of the jitter's draws (each replica its own stream)
     # The host's time between back-to-back steps: (base seconds, seconds per sequence of the
     # step), measured by a serving calibration (`calibrate --from-steps`); (0, 0) without.
@@ -51,6 +54,9 @@ class SimConfig:
     # stream). Measured by a benchmark against a server (client TTFT - the server's own);
     # added to every TTFT and end-to-end latency. 0: the engine's view.
     front_latency_s: float = 0.0
+    # Steady decode steps run many at once (quill/sim/fast_forward.py): the same results,
+    # faster. Off: every step through the engine core.
+    fast_forward: bool = True
 
     @classmethod
     def create(
@@ -119,6 +125,7 @@ class SimConfig:
             enable_prefix_caching=enable_prefix_caching,
             fetch_shares_cores=fetch_shares_cores,
             step_jitter=step_ratios(hardware) if step_jitter else None,
+            step_jitter_by_kind=step_ratios_by_kind(hardware) if step_jitter else None,
             seed=seed,
             step_gap=step_gap(hardware),
         )
@@ -157,6 +164,7 @@ class SimConfig:
             "num_kv_blocks": self.num_blocks,
             "kv_cache_tokens": self.kv_tokens,
             "step_jitter": self.step_jitter is not None,
+            "step_jitter_kinds": sorted(self.step_jitter_by_kind or ()),
             "step_gap_s": list(self.step_gap),
             "front_latency_s": self.front_latency_s,
         }
@@ -166,6 +174,13 @@ def step_ratios(hardware: HardwareSpec) -> tuple[float, ...] | None:
     """The calibration's step-time ratio percentiles, if it measured them."""
     ratios = (hardware.calibration or {}).get("step_time_ratios")
     return tuple(ratios) if ratios and len(ratios) == 101 else None
+
+
+def step_ratios_by_kind(hardware: HardwareSpec) -> dict[str, tuple[float, ...]] | None:
+    """The calibration's step-time ratio percentiles per kind of step, if it measured them."""
+    by_kind = (hardware.calibration or {}).get("step_time_ratios_by_kind") or {}
+    out = {k: tuple(v) for k, v in by_kind.items() if v and len(v) == 101}
+    return out or None
 
 
 def step_gap(hardware: HardwareSpec) -> tuple[float, float]:

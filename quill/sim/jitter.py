@@ -9,6 +9,8 @@ what a p99 inter-token gap is made of, and what a queue multiplies into a p99 TT
 calibration (`quill cost calibrate --from-steps`, steps the server recorded under load) holds
 the scatter of a serving engine. Each replica draws from its own seeded generator, so a run
 is repeatable. The draws are independent: a slow patch lasting several steps is not modeled.
+Where the calibration measured each kind of step (decode, prefill, mixed) apart, a step draws
+from its kind's ratios: their medians carry what the one step model leaves of each kind's bias.
 """
 
 from __future__ import annotations
@@ -32,3 +34,27 @@ class StepJitter:
             return self.percentiles[100]
         low = self.percentiles[i]
         return low + (self.percentiles[i + 1] - low) * (u - i)
+
+
+def kind_of(shape) -> str:
+    """A step's kind as the calibration counts it: decode (every token a decode), prefill
+    (none), mixed."""
+    if not shape.num_prefill_tokens:
+        return "decode"
+    return "mixed" if shape.num_decode_tokens else "prefill"
+
+
+class StepJitters:
+    """A replica's draws: from its kind's ratios where measured, else from all steps'."""
+
+    def __init__(
+        self, overall: tuple | None, by_kind: dict[str, tuple] | None, seed: str | int
+    ) -> None:
+        self.overall = None if overall is None else StepJitter(list(overall), seed)
+        self.by_kind = {
+            kind: StepJitter(list(ratios), f"{seed}:{kind}")
+            for kind, ratios in (by_kind or {}).items()
+        }
+
+    def for_kind(self, kind: str) -> StepJitter | None:
+        return self.by_kind.get(kind, self.overall)

@@ -22,7 +22,8 @@ from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request, RequestTimes
 from quill.engine.scheduler import Scheduler
 from quill.sim.config import SimConfig
-from quill.sim.jitter import StepJitter
+from quill.sim.fast_forward import fast_forward
+from quill.sim.jitter import StepJitters, kind_of
 from quill.sim.metrics import MetricsSink
 from quill.sim.workload import WorkItem
 
@@ -85,11 +86,12 @@ class SimExecutor:
         self.cost = cost
         self.clock = clock
         self.shares_cores = shares_cores
-        self.jitter = jitter  # quill/sim/jitter.StepJitter, or None
+        self.jitter = jitter  # quill/sim/jitter.StepJitters, or None
         # The host's time after a step, before the next can start (SimConfig.step_gap).
         self.gap_base, self.gap_per_seq = gap
         self.num_steps = 0
         self.num_polls = 0  # plans of fetches alone
+        self.num_fast_steps = 0  # of num_steps, run by fast_forward
         self.busy_s = 0.0
         self.prefill_tokens = 0
         self.decode_tokens = 0
@@ -97,6 +99,10 @@ class SimExecutor:
         # Fetches not yet ended, in order: [request id, bytes, link seconds left, started at]
         # (started: when it reached the head of the line; None before).
         self._queue: deque[list] = deque()
+
+    @property
+    def has_fetches(self) -> bool:
+        return bool(self._queue)
 
     def execute(self, plan: StepPlan) -> StepResult:
         for fetch in plan.kv_fetches:
@@ -107,7 +113,9 @@ class SimExecutor:
             shape = self.cost.model.shape_of(plan)
             seconds = self.cost.price(shape).predicted_s
             if self.jitter is not None:
-                seconds *= self.jitter.draw()
+                draws = self.jitter.for_kind(kind_of(shape))
+                if draws is not None:
+                    seconds *= draws.draw()
             seconds += self.gap_base + self.gap_per_seq * len(plan.seqs)
             self.num_steps += 1
             self.busy_s += seconds
@@ -180,8 +188,10 @@ class Replica:
         self.output_cap = output_cap
         self.clock = VirtualClock()
         jitter = None
-        if config.step_jitter is not None:
-            jitter = StepJitter(list(config.step_jitter), f"{config.seed}:{name}")
+        if config.step_jitter is not None or config.step_jitter_by_kind:
+            jitter = StepJitters(
+                config.step_jitter, config.step_jitter_by_kind, f"{config.seed}:{name}"
+            )
         self.executor = SimExecutor(
             config.cost, self.clock, config.fetch_shares_cores, jitter, config.step_gap
         )
@@ -249,10 +259,14 @@ class Replica:
             self.core.add_request(request)
             room -= 1
 
-    def step(self) -> list[Request]:
-        """One engine step at this replica's clock; returns the requests that ended."""
+    def step(self, until: float = math.inf) -> list[Request]:
+        """One engine step at this replica's clock, or as many steady decode steps as start
+        before `until` (the next event that could change them; quill/sim/fast_forward.py);
+        returns the requests that ended."""
         if self.backlog:
             self._admit()
+        if self.config.fast_forward and fast_forward(self, until, SAMPLED_TOKEN):
+            return []
         ex = self.executor
         before, polls = ex.num_steps, ex.num_polls
         out = self.core.step()
@@ -270,6 +284,7 @@ class Replica:
         return {
             "name": self.name,
             "steps": ex.num_steps,
+            "fast_forwarded_steps": ex.num_fast_steps,
             "busy_s": ex.busy_s,
             "busy_fraction": ex.busy_s / duration if duration > 0 else None,
             "prefill_tokens": ex.prefill_tokens,
