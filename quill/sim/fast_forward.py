@@ -94,7 +94,7 @@ def _run(replica, running: list, max_steps: int, context: int, until: float, tok
     caching = kv.enable_prefix_caching
     tables = kv.block_tables
     # Per step, the requests (in running order, as built) that reach the end of their blocks:
-    # `grow` needs a block before the step, `fills` fills one (entered in the prefix cache).
+    # GROW: it needs a block before the step; FILL: it fills one (entered in the prefix cache).
     events: dict[int, list[tuple[int, int]]] = {}  # step -> [(request index, GROW or FILL)]
     for i, r in enumerate(running):
         c0 = r.num_computed_tokens
