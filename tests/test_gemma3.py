@@ -17,7 +17,8 @@ def gemma_path():
     return named_model_path("gemma3-270m")  # a clear error, not a skip, without `make models`
 
 
-def test_gemma3_270m_matches_transformers(gemma_path):
+def test_gemma3_270m_matches_transformers(gemma_path, monkeypatch):
+    import gguf
     from transformers import AutoModelForCausalLM
 
     llm = LLM("gemma3-270m", dtype="float32", kv_cache_dtype="float32", quantization="none",
@@ -29,9 +30,21 @@ def test_gemma3_270m_matches_transformers(gemma_path):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.close()
+    # transformers reads the file's metadata twice (its config, then its tensors), and the
+    # 262k-entry vocabulary makes each read ~15 s here: one parse, its own conversion twice.
+    readers, parse = {}, gguf.GGUFReader
+
+    def read_once(path, *args, **kwargs):
+        key = str(path)
+        if key not in readers:
+            readers[key] = parse(path, *args, **kwargs)
+        return readers[key]
+
+    monkeypatch.setattr(gguf, "GGUFReader", read_once)
     ref = AutoModelForCausalLM.from_pretrained(
         str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32
     ).eval()
+    assert len(readers) == 1
     for ids, out in zip(prompts, outs, strict=True):
         tokens = out.outputs[0].token_ids
         # One pass over the prompt and quill's tokens: transformers' greedy choice after each
