@@ -42,7 +42,10 @@ def _same(fast: dict, slow: dict) -> None:
         elif isinstance(value, list):
             assert len(fast[key]) == len(value)
             for a, b in zip(fast[key], value):
-                _same(a, b) if isinstance(b, dict) else None
+                if isinstance(b, dict):
+                    _same(a, b)
+                else:
+                    assert a == b, key
         elif isinstance(value, float) and not math.isnan(value):
             assert fast[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
         elif key != "fast_forwarded_steps":
