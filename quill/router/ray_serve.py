@@ -61,6 +61,7 @@ PROMPT_KWARG = "quill_prompt"  # (token ids, cache salt): what the router hashes
 _SEND_TRIES = 3  # a request whose replica's server refused it is sent again, twice at most
 _RESEND_AFTER_S = 0.3
 _RELAYED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+_STARTUP_WAIT_S = 30.0  # how long the router waits to see every replica it was deployed with
 
 
 # Above the deployments: Ray Serve ships the ingress class by value, with the names it had.
@@ -182,6 +183,7 @@ class QuillRequestRouter(RequestRouter):
         balance_abs: float = 16.0,
         balance_rel: float = 1.5,
         poll_s: float = 0.25,
+        num_replicas: int = 1,
     ) -> None:
         settings = CacheAwareSettings(cache_threshold, balance_abs, balance_rel)
         self.policy = make_policy(policy, settings)
@@ -189,6 +191,20 @@ class QuillRequestRouter(RequestRouter):
         self._of_replica: dict[ReplicaID, Instance] = {}
         self._hashes: dict[str, list[bytes]] = {}  # a request's blocks, until it is routed
         self._client: httpx.AsyncClient | None = None
+        # Ray's handle learns of running replicas one update at a time, so its first
+        # requests may see one replica of several; each would then be placed there (and a
+        # tenant's later requests follow its cache). Until all have been seen, a request waits.
+        self._num_replicas = num_replicas
+        self._seen: set[ReplicaID] = set()
+        self._wait_until = time.monotonic() + _STARTUP_WAIT_S
+
+    def _starting(self, candidates: list[RunningReplica]) -> bool:
+        """Whether some replica the deployment started with is still unseen (for at most
+        _STARTUP_WAIT_S after the router starts)."""
+        if len(self._seen) >= self._num_replicas:
+            return False
+        self._seen.update(r.replica_id for r in candidates)
+        return len(self._seen) < self._num_replicas and time.monotonic() < self._wait_until
 
     async def _instance(self, replica: RunningReplica) -> Instance | None:
         """The state of a replica (its load read once when first seen); None until Ray has
@@ -211,6 +227,11 @@ class QuillRequestRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if self._starting(candidate_replicas):
+            # Ray asks again at once (no backoff on a first pass), with its latest view of
+            # the replicas: the sleep lets that view's update in.
+            await asyncio.sleep(0.05)
+            return []
         known = [(r, await self._instance(r)) for r in candidate_replicas]
         known = [(r, i) for r, i in known if i is not None]
         if not known:
@@ -324,7 +345,8 @@ def build_app(
     router = RequestRouterConfig(
         request_router_class=QuillRequestRouter,
         request_router_kwargs={"policy": policy, "cache_threshold": s.cache_threshold,
-                               "balance_abs": s.balance_abs, "balance_rel": s.balance_rel},
+                               "balance_abs": s.balance_abs, "balance_rel": s.balance_rel,
+                               "num_replicas": replicas},
     )  # fmt: skip
     replica = serve.deployment(QuillReplica).options(
         name="QuillReplica",
