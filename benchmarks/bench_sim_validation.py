@@ -36,11 +36,15 @@ from quill.config import cache_dir  # noqa: E402
 from quill.cost.calibrate import cpu_info  # noqa: E402
 from quill.cost.hardware import HardwareSpec  # noqa: E402
 from quill.sim.cluster import run_colocated  # noqa: E402
+from quill.sim.speculation import SpecChances  # noqa: E402
 
 # name -> bench_sim_vs_server flags. "1b" ones use Llama-3.2-1B's shape (model made at start).
 DEFAULT = "--num-prompts 40 --input-len 128 --output-len 32 "
 ONE_B = "--model {1b} --load-format dummy --num-prompts 24 --input-len 48:80 --output-len 16 "
 ONE_B += f"--kv-cache-memory {512 << 20} --dtype bfloat16 "
+# n-gram drafts (the greedy replies of the default model to random prompts repeat themselves:
+# most drafts hold), switched on and off by the cost model as `quill serve` does.
+SPEC = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_min":2,"prompt_lookup_max":3}'
 CONFIGS: dict[str, list[str]] = {
     name: flags.split()
     for name, flags in {
@@ -57,6 +61,8 @@ CONFIGS: dict[str, list[str]] = {
         "--fractions 0.8",
         "d-long-output-0.5": "--num-prompts 32 --input-len 32:96 --output-len 64:160 "
         "--fractions 0.5",
+        "d-spec-0.5": "--num-prompts 40 --input-len 128 --output-len 64 --fractions 0.5 "
+        "--speculative-config " + SPEC,
         "1b-bf16-0.5": ONE_B + "--fractions 0.5",
         "1b-bf16-0.9": ONE_B + "--fractions 0.9",
         "1b-int8-0.6": ONE_B + "--quantization int8 --fractions 0.6",
@@ -95,8 +101,12 @@ def resimulate(result: dict) -> dict:
     """The result's real runs against the simulator as it is now (each variant), on the same
     arrivals and the same serving refit: a change to the simulator judged without new runs."""
     settings = result["settings"]
+    chances = result.get("spec_chances")
     config = bench_sim_vs_server.sim_config(
-        settings, HardwareSpec.from_dict(result["simulated_with"]), result["front_latency_s"]
+        settings,
+        HardwareSpec.from_dict(result["simulated_with"]),
+        result["front_latency_s"],
+        None if chances is None else SpecChances(**chances),
     )
     for row in result["runs"]:
         items = bench_sim_vs_server.workload_of(settings, row["rate"], settings["seed"])
@@ -175,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = errors_of(json.loads(path.read_text()))
 
     summary = {"sim": table(results)}
-    if args.resimulate:
-        for variant in ("sim-one-jitter", "sim-jitter-off"):
+    for variant in ("sim-one-jitter", "sim-jitter-off"):
+        others = {n: errors_of(json.loads((out / f"{n}.json").read_text()), variant)
+                  for n in results}  # fmt: skip
+        others = {n: e for n, e in others.items() if e}
+        if others:
             print(f"\n{variant}:")
-            others = {n: errors_of(json.loads((out / f"{n}.json").read_text()), variant)
-                      for n in results}  # fmt: skip
             summary[variant] = table(others)
     (out / "summary.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

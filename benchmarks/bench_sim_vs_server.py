@@ -42,13 +42,14 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
 from quill.bench.client import random_prompt, run_workload, summarize
+from quill.config import SpeculativeConfig
 from quill.cost.batch import BatchShape
 from quill.cost.calibrate import cpu_info
 from quill.cost.hardware import HardwareSpec
@@ -59,6 +60,7 @@ from quill.cost.step import CostModel
 from quill.engine.record import read_steps
 from quill.sim.cluster import run_colocated
 from quill.sim.config import SimConfig
+from quill.sim.speculation import SpecChances
 from quill.sim.workload import LengthSpec, synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,15 +113,28 @@ def variants(config: SimConfig) -> dict[str, SimConfig]:
     return out
 
 
+def run_speeds(checks: list[dict], fitted: dict | None) -> list[float] | None:
+    """How much slower each real run's steps were than the steps the model was fitted on,
+    both against the fitted model (measured / predicted busy time, over the fitted steps'
+    own): the machine's speed moving between the fit and the runs (a shared VM's can, by a
+    third: benchmarks/probe_machine_speed.py). None without both."""
+    if not fitted or not fitted.get("busy_ratio"):
+        return None
+    return [fitted["busy_ratio"] / c["busy_ratio"] for c in checks if c.get("busy_ratio")]
+
+
 def model_path(settings: dict) -> str:
     from quill.model.default_model import default_model_dir
 
     return settings["model"] or str(default_model_dir())
 
 
-def sim_config(settings: dict, hardware: HardwareSpec, front: float = 0.0) -> SimConfig:
+def sim_config(
+    settings: dict, hardware: HardwareSpec, front: float = 0.0, chances: SpecChances | None = None
+) -> SimConfig:
     """The simulated replica for the benchmark's settings (its flags, as a dict) on `hardware`
-    (its jitter and gaps too, where it has them), `front` seconds outside the engine."""
+    (its jitter and gaps too, where it has them), `front` seconds outside the engine; with
+    speculation, its drafts drawn with `chances` (measured on the server)."""
     dtype = settings["dtype"]
     model = ModelSpec.from_path(model_path(settings), bytes_per_param=bytes_per_element(dtype))
     model.kv_bytes_per_element = kv_bytes_per_element(settings["kv_cache_dtype"], dtype)
@@ -131,7 +146,19 @@ def sim_config(settings: dict, hardware: HardwareSpec, front: float = 0.0) -> Si
         kv_cache_memory=settings["kv_cache_memory"],
         max_model_len=settings["max_model_len"],
     )
-    return replace(config, front_latency_s=front)
+    config = replace(config, front_latency_s=front)
+    if settings.get("speculative_config"):
+        spec = SpeculativeConfig.parse(settings["speculative_config"])
+        config = replace(config, speculative=spec, spec_chances=chances or SpecChances())
+    return config
+
+
+def spec_chances(before: dict, after: dict) -> SpecChances:
+    """The server's speculation over a run, from its counters before and after."""
+    d = {k: after[k] - before[k] for k in before}
+    return SpecChances.measured(d["spec_drafts"], d["spec_draft_tokens"],
+                                d["spec_accepted_tokens"], d["spec_eligible"],
+                                d["spec_proposed"])  # fmt: skip
 
 
 def workload_of(settings: dict, rate: float, seed: int) -> list:
@@ -176,6 +203,10 @@ COUNTERS = {
     "preemptions": "quill:num_preemptions_total",
     "prefix_cache_queries": "quill:prefix_cache_queries_total",
     "prefix_cache_hits": "quill:prefix_cache_hits_total",
+    **{
+        f"spec_{k}": f"quill:spec_decode_num_{k}_total"
+        for k in ("drafts", "draft_tokens", "accepted_tokens", "eligible", "proposed")
+    },
 }
 
 
@@ -200,6 +231,8 @@ def measured_run(url: str, model_name: str, items, make_prompt) -> dict:
     summary["num_preemptions"] = delta["preemptions"]
     queries = delta["prefix_cache_queries"]
     summary["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / queries if queries else None
+    drafted = delta["spec_draft_tokens"]
+    summary["spec_acceptance_rate"] = delta["spec_accepted_tokens"] / drafted if drafted else None
     return summary
 
 
@@ -227,7 +260,7 @@ def compare(reals: list[dict], sims: dict[str, dict]) -> dict:
                 "error": None if not mean or s is None else (s - mean) / mean,
             }
         out[metric if q is None else f"{metric[:-3]}_{q}"] = row
-    for key in ("num_preemptions", "prefix_cache_hit_rate"):  # reported, not scored
+    for key in ("num_preemptions", "prefix_cache_hit_rate", "spec_acceptance_rate"):  # reported
         out[key] = {"server": [r.get(key) for r in reals],
                     **{n: sim.get(key) for n, sim in sims.items()}}  # fmt: skip
     return out
@@ -252,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", default="128")
     p.add_argument("--output-len", default="32")
     p.add_argument("--fractions", default="0.3,0.6,0.9", help="rates, as fractions of saturation")
+    p.add_argument("--speculative-config", help="the server's (JSON); the simulator draws its "
+                   "drafts with the chances measured during the serving refit")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20)
@@ -307,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         "--hardware", hardware_path,
         "--record-steps", str(steps_file),
     ]  # fmt: skip
+    if args.speculative_config:
+        flags += ["--speculative-config", args.speculative_config]
     server = Server(flags)
     rng = random.Random(args.seed)
     vocab = range(100, 40000)
@@ -324,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         return head + random_prompt(item.prompt_tokens - shared, rng, vocab)
 
     runs = []
+    fit_check = None  # the fitted steps against the model fitted on them (with the refit)
+    chances = None  # speculation's, measured while refitting
     try:
         model_name = served_model(server.url)
         warm = workload_of(settings, math.inf, args.seed + 1)[:4]
@@ -335,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             # Two loads, so the steps span small and full batches: a Poisson stream at 60% of
             # the calibration's saturation, and a burst of every request at once.
             fronts = []
+            before = counters(server.url)
             for rate, seed in ((saturation(config) * 0.6, 100), (float("inf"), 101)):
                 print(f"serving calibration: {args.num_prompts} requests at {rate:.3f} req/s")
                 items = workload(rate, seed=args.seed + seed)
@@ -342,57 +382,70 @@ def main(argv: list[str] | None = None) -> int:
                 if rate != float("inf"):  # a burst's requests queue in the API process too
                     fronts += [r.ttft - r.server_ttft for r in records
                                if r.ok and r.server_ttft is not None]  # fmt: skip
+            if args.speculative_config:
+                chances = spec_chances(before, counters(server.url))
+                print(f"speculation while refitting: {chances}")
             lines = steps_file.read_text().splitlines()[num_warm:]
             recorded = steps_file.with_name("serving-steps.jsonl")
             recorded.write_text("\n".join(lines) + "\n")
             hardware = refit_spec(hardware, model, recorded_steps(recorded))
+            fit_check = held_out_steps(CostModel(model, hardware), recorded, 0)
             gaps = step_gaps(read_steps(recorded))
             if gaps is not None:
                 hardware.calibration["step_gap"] = gaps
             front = statistics.median(fronts) if fronts and args.front_latency else 0.0
             print(f"outside the engine before a first token (client TTFT - server's): median "
                   f"{front * 1e3:.1f} ms of {len(fronts)} requests")  # fmt: skip
-            config = sim_config(settings, hardware, front)
+            config = sim_config(settings, hardware, front, chances)
         top = saturation(config)
         rates = [top * float(f) for f in args.fractions.split(",")]
         print(f"simulated saturation {top:.3f} req/s; rates {', '.join(f'{r:.3f}' for r in rates)}")
         sims = variants(config)
         for rate in rates:
             items = workload(rate)
-            reals = []
+            reals, checks = [], []
             for _ in range(args.repeats):
                 # Each run's prompts share prefixes of their own: its prefix cache starts
                 # cold, as the simulator's does (not warmed by the run before).
                 prefixes.clear()
                 seen = len(steps_file.read_text().splitlines())
                 reals.append(measured_run(server.url, model_name, items, make_prompt))
-            simulated = {n: run_colocated(c, items)["results"] for n, c in sims.items()}
+                checks.append(held_out_steps(config.cost, steps_file, seen))
+            speeds = run_speeds(checks, fit_check)
+            these = sims
+            simulated = {n: run_colocated(c, items)["results"] for n, c in these.items()}
             row = {"rate": rate, "server": reals, "simulated": simulated,
-                   "compare": compare(reals, simulated),
-                   "steps": held_out_steps(config.cost, steps_file, seen)}  # fmt: skip
+                   "compare": compare(reals, simulated), "steps": checks[-1],
+                   "steps_by_run": checks, "run_speeds": speeds}  # fmt: skip
             runs.append(row)
             failed = sum(r["num_failed"] for r in reals)
             print(f"\nrate {rate:.3f} req/s ({failed} failed)")
-            head = "".join(f"{n + ' err':>18}" for n in sims)
+            head = "".join(f"{n + ' err':>18}" for n in these)
             print(f"{'':10}{'server (runs)':>22}{'spread':>8}{head}")
             steps = row["steps"]
             print(f"the last run's {steps['steps']} steps against the step model: median "
                   f"{steps['median']:+.1%}, p90 |error| {steps['p90_abs']:.1%}; predicted / "
                   f"measured busy time {steps['busy_ratio']:.3f}")  # fmt: skip
+            if speeds:
+                print("each run's steps took " + ", ".join(f"{x:.3f}x" for x in speeds)
+                      + " the fitted steps' time, against the step model")  # fmt: skip
             for name, c in row["compare"].items():
                 if not scored(c):
                     print(f"{name:22}{c}")
                     continue
                 runs_text = "/".join(f"{v:.1f}" for v in c["server"])
-                errs = "".join(f"{c[n]['error']:+18.1%}" for n in sims)
-                print(f"{name:10}{runs_text:>22}{c['spread']:8.1%}{errs}")
+                errs = "".join(f"{c[n]['error']:+18.1%}" if c[n]["error"] is not None
+                               else f"{'-':>18}" for n in these)  # fmt: skip
+                spread = "-" if c["spread"] is None else f"{c['spread']:.1%}"
+                print(f"{name:10}{runs_text:>22}{spread:>8}{errs}")
     finally:
         server.stop()
     summary = {}
-    for n in sims:
+    for n in dict.fromkeys(n for r in runs for n in r["simulated"]):
         rows = [c for r in runs for c in r["compare"].values() if scored(c)]
-        errors = [abs(c[n]["error"]) for c in rows if c[n]["error"] is not None]
-        beyond = [abs(c[n]["error"]) - c["spread"] for c in rows if c[n]["error"] is not None]
+        mine = [c for c in rows if n in c and c[n]["error"] is not None]
+        errors = [abs(c[n]["error"]) for c in mine]
+        beyond = [abs(c[n]["error"]) - c["spread"] for c in mine]
         summary[n] = {
             "median_abs_error": statistics.median(errors) if errors else None,
             "max_abs_error": max(errors) if errors else None,
@@ -412,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
             "saturation_request_rate": top,
             "simulated_with": hardware.to_dict(),
             "front_latency_s": config.front_latency_s,
+            "fitted_steps": fit_check,
+            "spec_chances": None if chances is None else asdict(chances),
             "runs": runs,
             "worst_error": verdict,
             "summary": summary,

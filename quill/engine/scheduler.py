@@ -18,6 +18,7 @@ still write into them: a request ended meanwhile keeps them until its fetch ends
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from quill.config import SchedulingPolicy, SpeculativeConfig
@@ -97,6 +98,9 @@ class Scheduler:
         self.num_transferred_prompt_tokens = 0  # see KVTransferStats
         self.speculative = speculative
         self.spec_switch = spec_switch
+        # What guesses a decoding request's next tokens, (request, at most k) -> drafts: None
+        # for the n-gram lookup; the simulator puts its measured chances in its place.
+        self.proposer: Callable[[Request, int], list[int]] | None = None
         k = speculative.num_speculative_tokens if speculative is not None else 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * k)
         # An encoder's (no causal attention): each prompt is computed whole, in one step, and
@@ -333,14 +337,17 @@ class Scheduler:
             or num_output < params.min_tokens
         ):
             return []
-        spec = self.speculative
-        tokens = request.prompt_token_ids + request.output_token_ids
-        drafts = propose_ngram(tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafts = (self.proposer or self._propose_ngram)(request, k)
         self.spec_stats.num_eligible += 1
         self.spec_stats.num_proposed += bool(drafts)
         if self.spec_switch is not None:
             self.spec_switch.on_proposals(1, bool(drafts))
         return drafts
+
+    def _propose_ngram(self, request: Request, k: int) -> list[int]:
+        spec = self.speculative
+        tokens = request.prompt_token_ids + request.output_token_ids
+        return propose_ngram(tokens, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> int:
         """Blocks for the request's next `n` tokens, preempting the latest requests for them;

@@ -58,10 +58,13 @@ _STRUCTURED_COUNTERS = (  # StructuredStats field, metric, help
 )
 
 
-_SPEC_COUNTERS = (  # SpecDecodeStats field, metric, help (vLLM's spec_decode names)
+_SPEC_COUNTERS = (  # SpecDecodeStats field, metric, help (vLLM's spec_decode names; quill's
+    # own last two: how often the proposer finds drafts, which the simulator needs)
     ("num_drafts", "spec_decode_num_drafts", "Requests' steps verified with drafts."),
     ("num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
     ("num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    ("num_eligible", "spec_decode_num_eligible", "Decodes the proposer was asked for drafts."),
+    ("num_proposed", "spec_decode_num_proposed", "Of those, decodes it found drafts for."),
 )
 
 

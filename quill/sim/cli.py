@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from quill import argtypes
+from quill.config import SpeculativeConfig
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import ModelSpec, bytes_per_element, kv_bytes_per_element
 from quill.engine_args import add_scheduler_arguments
@@ -26,6 +27,7 @@ from quill.sim.config import SimConfig, model_context_len
 from quill.sim.help import DESCRIPTION, EPILOG
 from quill.sim.metrics import SLO
 from quill.sim.report import format_capacity, format_comparison, format_run
+from quill.sim.speculation import SpecChances
 from quill.sim.workload import LengthSpec, read_trace, synthetic
 
 
@@ -150,6 +152,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched = parser.add_argument_group("engine")
     add_scheduler_arguments(sched)
     sched.add_argument("--max-model-len", type=int, default=None)
+    spec = parser.add_argument_group("speculative decoding (drafts drawn with measured chances)")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="as quill serve's (n-gram drafts; by_cost: the switch decides, as on a server)",
+    )
+    spec.add_argument(
+        "--spec-acceptance",
+        type=float,
+        default=0.6,
+        metavar="P",
+        help="P(a draft holds | the ones before it held); a server's counters give it "
+        "(SpecChances.measured) (default 0.6)",
+    )
+    spec.add_argument(
+        "--spec-proposal-rate",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="share of decodes the proposer finds drafts for (default 1)",
+    )
+    spec.add_argument(
+        "--spec-draft-length",
+        type=float,
+        default=None,
+        metavar="N",
+        help="mean drafts a proposal holds (default: all allowed)",
+    )
     modes = parser.add_argument_group("objectives and modes")
     modes.add_argument(
         "--slo",
@@ -296,6 +327,10 @@ def _setup(args: argparse.Namespace):
     config = replace(
         config, front_latency_s=args.front_latency / 1000, fast_forward=args.fast_forward
     )
+    if args.speculative_config is not None:
+        chances = SpecChances(args.spec_proposal_rate, args.spec_draft_length, args.spec_acceptance)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        config = replace(config, speculative=spec, spec_chances=chances)
     if args.trace:
         items = read_trace(args.trace, args.num_requests, check=config.check_request)
         if not items:

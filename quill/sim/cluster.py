@@ -290,4 +290,8 @@ def _summary(
     queries = sum(s["prefix_cache_queries"] for s in counted)
     hits = sum(s["prefix_cache_hits"] for s in counted)
     results["prefix_cache_hit_rate"] = hits / queries if queries else None
+    drafted = sum(s.get("spec_decode_num_draft_tokens", 0) for s in stats)
+    if drafted:  # as a server's spec_decode_acceptance_rate
+        accepted = sum(s["spec_decode_num_accepted_tokens"] for s in stats)
+        results["spec_acceptance_rate"] = accepted / drafted
     return {"results": results, "replicas": stats}

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from quill.config import SpeculativeConfig
 from quill.contract.kv_groups import peak_blocks
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import PRESETS, ModelSpec
 from quill.cost.step import CostModel
 from quill.model.config import ModelConfig
+from quill.sim.speculation import SpecChances
 
 # The share of device memory given to weights and KV cache (the cost model's default).
 MEMORY_FRACTION = 0.9
@@ -57,6 +59,10 @@ class SimConfig:
     # Steady decode steps run many at once (quill/sim/fast_forward.py): the same results,
     # faster. Off: every step through the engine core.
     fast_forward: bool = True
+    # Speculative decoding as `quill serve --speculative-config` sets it (None: off), its
+    # drafts and their acceptance drawn with `spec_chances` (quill/sim/speculation.py).
+    speculative: SpeculativeConfig | None = None
+    spec_chances: SpecChances = SpecChances()
 
     @classmethod
     def create(
@@ -167,6 +173,9 @@ class SimConfig:
             "step_jitter_kinds": sorted(self.step_jitter_by_kind or ()),
             "step_gap_s": list(self.step_gap),
             "front_latency_s": self.front_latency_s,
+            "speculative": None
+            if self.speculative is None
+            else {**asdict(self.speculative), **asdict(self.spec_chances)},
         }
 
 

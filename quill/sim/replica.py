@@ -16,15 +16,18 @@ from collections import deque
 from quill.contract.plan import StepPlan, StepResult
 from quill.contract.sampling_params import SamplingParams
 from quill.cost.step import CostModel
+from quill.engine.admission import StepTimer
 from quill.engine.clock import VirtualClock
 from quill.engine.core import EngineCore
 from quill.engine.kv_cache import KVCacheManager
 from quill.engine.request import Request, RequestTimes
 from quill.engine.scheduler import Scheduler
+from quill.engine.spec_switch import SpeculationSwitch
 from quill.sim.config import SimConfig
 from quill.sim.fast_forward import fast_forward
 from quill.sim.jitter import StepJitters, kind_of
 from quill.sim.metrics import MetricsSink
+from quill.sim.speculation import SimDrafts
 from quill.sim.workload import WorkItem
 
 SAMPLED_TOKEN = 0  # any valid id: requests ignore EOS and have no stop tokens
@@ -82,8 +85,10 @@ class SimExecutor:
         shares_cores: bool = False,
         jitter=None,
         gap: tuple[float, float] = (0.0, 0.0),
+        drafts: SimDrafts | None = None,
     ) -> None:
         self.cost = cost
+        self.drafts = drafts  # the verdict on each sequence's drafts (speculation on)
         self.clock = clock
         self.shares_cores = shares_cores
         self.jitter = jitter  # quill/sim/jitter.StepJitters, or None
@@ -123,6 +128,11 @@ class SimExecutor:
             self.decode_tokens += shape.num_decode_tokens
             sampled = [s.request_id for s in plan.seqs if s.samples]
             result = StepResult(dict.fromkeys(sampled, [SAMPLED_TOKEN]))
+            if self.drafts is not None:  # a sequence with drafts keeps those that held
+                for s in plan.seqs:
+                    if s.samples and s.draft_token_ids:
+                        kept = 1 + self.drafts.verify(len(s.draft_token_ids))
+                        result.sampled[s.request_id] = [SAMPLED_TOKEN] * kept
         else:
             self.num_polls += 1
             seconds = 0.0
@@ -192,8 +202,12 @@ class Replica:
             jitter = StepJitters(
                 config.step_jitter, config.step_jitter_by_kind, f"{config.seed}:{name}"
             )
+        spec = config.speculative
+        drafts = None
+        if spec is not None:
+            drafts = SimDrafts(config.spec_chances, f"{config.seed}:{name}:drafts", SAMPLED_TOKEN)
         self.executor = SimExecutor(
-            config.cost, self.clock, config.fetch_shares_cores, jitter, config.step_gap
+            config.cost, self.clock, config.fetch_shares_cores, jitter, config.step_gap, drafts
         )
         self.tokens = PromptTokens() if tokens is None else tokens
         kv = KVCacheManager(
@@ -202,10 +216,25 @@ class Replica:
             config.enable_prefix_caching,
             config.cost.model.kv_groups.group_windows,
         )
+        # As `quill serve` builds it: the switch, when on, prices steps by the cost model and
+        # corrects that by the (virtual) times the steps took.
+        switch = None
+        if spec is not None and spec.by_cost:
+            switch = SpeculationSwitch(
+                spec.num_speculative_tokens, StepTimer.from_cost_model(config.cost)
+            )
         scheduler = Scheduler(
-            kv, config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len
+            kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.max_model_len,
+            speculative=spec,
+            spec_switch=switch,
         )
-        self.core = EngineCore(scheduler, self.executor, self.clock)
+        if drafts is not None:
+            scheduler.proposer = drafts.propose
+        listeners = [switch] if switch is not None else []
+        self.core = EngineCore(scheduler, self.executor, self.clock, listeners)
         self.backlog: deque[WorkItem | Request] = deque()
         self.outstanding = 0  # prompt + output tokens of the requests it holds (for routing)
         self._params: dict[int, SamplingParams] = {}
@@ -297,4 +326,19 @@ class Replica:
             # a request moved in with its KV counts as a miss), and of them found cached.
             "prefix_cache_queries": kv.queries,
             "prefix_cache_hits": kv.hits,
+            **self._spec_stats(),
+        }
+
+    def _spec_stats(self) -> dict:
+        """Speculation's counters, as a server's spec_decode metrics count them."""
+        scheduler = self.core.scheduler
+        if scheduler.speculative is None:
+            return {}
+        spec = scheduler.spec_stats
+        return {
+            "spec_decode_num_drafts": spec.num_drafts,
+            "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_decode_num_eligible": spec.num_eligible,
+            "spec_decode_num_proposed": spec.num_proposed,
         }

@@ -109,11 +109,16 @@ def format_run(settings: dict, out: dict) -> str:
 def _replica_line(stats: dict) -> str:
     busy = stats["busy_fraction"]
     busy_text = "-" if busy is None else f"{busy:.0%}"
-    return (
+    line = (
         f"{stats['name']}: {stats['steps']:,} steps, busy {busy_text}, "
         f"{_num(stats['mean_tokens_per_step'], 1)} tokens/step, "
         f"{stats['preemptions']:,} preemptions"
     )
+    if "spec_decode_num_drafts" in stats:  # speculation on
+        drafted = stats["spec_decode_num_draft_tokens"]
+        accepted = stats["spec_decode_num_accepted_tokens"]
+        line += f", {accepted:,} of {drafted:,} drafts accepted"
+    return line
 
 
 def format_comparison(settings: dict, colocated: dict, disaggregated: dict) -> str:

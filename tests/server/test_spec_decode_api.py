@@ -59,6 +59,10 @@ def test_replies_match_the_plain_engine_and_count_their_drafts(spec_server, gree
                     for i in range(4)]  # fmt: skip
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
     assert values[("quill:spec_decode_drafts_allowed", None)] == 4
+    # How often the proposer found drafts (what the simulator draws proposals with).
+    eligible = values[("quill:spec_decode_num_eligible_total", None)]
+    proposed = values[("quill:spec_decode_num_proposed_total", None)]
+    assert eligible >= proposed >= values[("quill:spec_decode_num_drafts_total", None)] > 0
     spec = state["spec_decode"]
     assert spec["draft_tokens"] == drafted and spec["accepted_tokens"] == accepted
 
