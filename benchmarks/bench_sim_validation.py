@@ -61,13 +61,22 @@ CONFIGS: dict[str, list[str]] = {
         "--fractions 0.8",
         "d-long-output-0.5": "--num-prompts 32 --input-len 32:96 --output-len 64:160 "
         "--fractions 0.5",
+        # A pool of 56 blocks (896 tokens) for up to 16 sequences of 256: requests preempt and
+        # recompute.
+        "d-preempt-0.7": "--num-prompts 40 --input-len 128 --output-len 128 --max-num-seqs 16 "
+        f"--kv-cache-memory {40 << 20} --fractions 0.7",
         "d-spec-0.5": "--num-prompts 40 --input-len 128 --output-len 64 --fractions 0.5 "
         "--speculative-config " + SPEC,
+        # Gemma 3 270M as its Q4_K_M GGUF (`make models`), read as stored: K-quant weights,
+        # sliding-window layers, a 262k-word head.
+        "g3-q4km-0.6": "--model {gguf} --num-prompts 40 --input-len 128 --output-len 32 "
+        "--fractions 0.6",
         "1b-bf16-0.5": ONE_B + "--fractions 0.5",
         "1b-bf16-0.9": ONE_B + "--fractions 0.9",
         "1b-int8-0.6": ONE_B + "--quantization int8 --fractions 0.6",
     }.items()
 }
+GEMMA_GGUF = cache_dir() / "models" / "gemma-3-270m-q4_k_m.gguf"
 SCORED = ["ttft_p99", "itl_p50", "itl_p99", "e2e_p99", "tok/s"]
 TARGETS = {"e2e_p99": 0.08, "ttft_p99": 0.15, "itl_p50": 0.08, "itl_p99": 0.08, "tok/s": 0.05}
 
@@ -169,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         if path.exists():
             path.write_text(json.dumps(resimulate(json.loads(path.read_text())), indent=1))
     for name in [] if args.resimulate else names:
-        flags = [f.replace("{1b}", str(model_1b)) for f in CONFIGS[name]]
+        flags = [f.replace("{1b}", str(model_1b)).replace("{gguf}", str(GEMMA_GGUF))
+                 for f in CONFIGS[name]]  # fmt: skip
         hardware = base_calibration(out, dtype_of(flags))
         path = out / f"{name}.json"
         print(f"\n== {name}: {' '.join(flags)}", flush=True)

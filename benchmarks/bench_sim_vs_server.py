@@ -136,7 +136,10 @@ def sim_config(
     (its jitter and gaps too, where it has them), `front` seconds outside the engine; with
     speculation, its drafts drawn with `chances` (measured on the server)."""
     dtype = settings["dtype"]
-    model = ModelSpec.from_path(model_path(settings), bytes_per_param=bytes_per_element(dtype))
+    path = model_path(settings)
+    # A GGUF's weights are read as stored: the file says their bytes.
+    per_param = None if path.endswith(".gguf") else bytes_per_element(dtype)
+    model = ModelSpec.from_path(path, bytes_per_param=per_param)
     model.kv_bytes_per_element = kv_bytes_per_element(settings["kv_cache_dtype"], dtype)
     config = SimConfig.create(
         model,

@@ -91,6 +91,20 @@ def test_replicas_behind_a_router(router):
     assert sum(r["fast_forwarded_steps"] for r in fast["replicas"]) > 0
 
 
+def test_a_cache_aware_router_sees_each_fast_forwarded_steps_events():
+    """Shared prefixes on pools of 300 blocks: decode steps evict cached prefix blocks, and
+    the router learns of each eviction from that step's KV-cache events, 0.3 s after the step
+    ended, as if the core had run it (stamped at the run's end instead, routing differs)."""
+    per_block = 16 * ModelSpec.preset("SmolLM2-135M", 2).kv_bytes_per_token
+    config = _config(max_num_seqs=32, kv_cache_memory=300 * per_block)
+    fast, slow = _both(run_colocated, config, _workload(rate=80.0, prefix=96), 3, None,
+                       "cache-aware")  # fmt: skip
+    _same(fast, slow)
+    assert slow["results"]["prefix_cache_hit_rate"] > 0.3
+    assert sum(r["fast_forwarded_steps"] for r in fast["replicas"]) > 1000
+    assert sum(r["fast_forwarded_steps"] for r in fast["replicas"]) > 0
+
+
 def test_disaggregated_hand_overs_and_fetches():
     # Prompts in chunks of 64: a prefill replica's steps that hand nothing over yet bound how
     # far a decode replica may run ahead (a later one may hand a request over before it).

@@ -13,9 +13,12 @@ first step starting at or after `until` (the next arrival or hand-over: arrivals
 in the event loop), and before a step whose blocks the pool cannot give (the core's own step
 then preempts). It runs only where a step could do nothing else: no request that could be
 admitted (none waiting, or the batch full at max_num_seqs), fetching or queued in; no
-speculative decoding, structured output, KV leases or events, step listener or windowed
-attention; every request plain (EOS ignored, no stop ids). The core's step takes every other
-case, so the result is the same with it on or off (tests/test_sim_fast_forward.py).
+speculative decoding, structured output, KV leases, step listener or windowed attention;
+every request plain (EOS ignored, no stop ids). A replica followed by a cache-aware router
+(KV-cache events on) gets each step's events stamped with that step's end
+(`Replica.fast_events`), as the core's steps would have handed them over one by one. The
+core's step takes every other case, so the result is the same with it on or off
+(tests/test_sim_fast_forward.py).
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ def steady_requests(replica) -> list | None:
         or core.admission is not None
         or core.step_listeners
         or kv.leases
-        or kv.pool.events is not None
         or replica.executor.has_fetches
     ):
         return None
@@ -115,6 +117,7 @@ def _run(replica, running: list, max_steps: int, context: int, until: float, tok
     t = clock.t
     ends: list[float] = []
     done = 0
+    log = kv.pool.events  # KV-cache events (a cache-aware router follows them), or None
     while done < max_steps and t < until:
         bucket = events.get(done)
         if bucket is not None and not _blocks(kv, running, bucket, done):
@@ -128,6 +131,10 @@ def _run(replica, running: list, max_steps: int, context: int, until: float, tok
         t += seconds
         ends.append(t)
         done += 1
+        if log is not None and bucket is not None:
+            drained = log.drain()
+            if drained:
+                replica.fast_events.append((t, drained))
     unused = max_steps - done
     for r in running:
         if unused:
@@ -143,17 +150,24 @@ def _run(replica, running: list, max_steps: int, context: int, until: float, tok
 
 
 def _blocks(kv, running: list, bucket: list[tuple[int, int]], step: int) -> bool:
-    """The step's block work, in the scheduler's order; False (before the step) if the pool
-    cannot give a block: allocations already made stand, as the core's step would make them."""
+    """The step's block work, in the scheduler's order; False, with nothing done, if the pool
+    cannot give every block it needs (the core's step then does the same work and preempts;
+    its KV-cache events then come with that step)."""
     bs = kv.block_size
     tables = kv.block_tables
+    grow = [running[i] for i, kind in bucket if kind == GROW]
+    needed = sum(
+        1 for r in grow if len(tables[r.request_id][0]) * bs < r.num_computed_tokens + step + 1
+    )
+    if needed > kv.pool.num_free_blocks:
+        return False
     for i, kind in bucket:
         r = running[i]
         position = r.num_computed_tokens + step
         if kind == GROW:
             if len(tables[r.request_id][0]) * bs < position + 1:
                 if not kv.allocate_slots(r, position + 1):
-                    return False
+                    raise RuntimeError("fast-forward: a block counted free could not be had")
         else:
             kv.cache_blocks(r, position + 1)
     return True

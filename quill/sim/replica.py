@@ -236,6 +236,9 @@ class Replica:
         listeners = [switch] if switch is not None else []
         self.core = EngineCore(scheduler, self.executor, self.clock, listeners)
         self.backlog: deque[WorkItem | Request] = deque()
+        # Fast-forwarded steps' KV-cache events, each with its step's end (the router takes
+        # them: quill/sim/routing.py).
+        self.fast_events: list[tuple[float, list]] = []
         self.outstanding = 0  # prompt + output tokens of the requests it holds (for routing)
         self._params: dict[int, SamplingParams] = {}
         # For tests: per step [(request_id, start, num_tokens)], and for every arrival the

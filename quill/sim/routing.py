@@ -56,7 +56,12 @@ class RoutedReplica:
         self.num_sent = 0
 
     def stepped(self, delay_s: float) -> None:
-        """After one of its steps: its events, seen `delay_s` later."""
+        """After one of its steps (or a fast-forward's many): its events, seen `delay_s` after
+        the step that made them."""
+        fast = self.replica.fast_events
+        if fast:
+            self._pending.extend((t + delay_s, drained) for t, drained in fast)
+            fast.clear()
         events = self.replica.core.scheduler.kv.pool.events
         if events is not None:
             drained = events.drain()
