@@ -18,9 +18,13 @@ calibration as it is.
     .venv/bin/python benchmarks/bench_sim_vs_server.py --hardware FILE --json out.json
 
 Any model quill serves (`--model DIR`, `--load-format dummy` for random weights of a real
-shape), weight and KV formats (`--dtype`, `--quantization`, `--kv-cache-dtype`), token budget
-and shared prefixes (`--prefix-tokens`, `--num-prefixes`); each real run also reports its
-preemptions and prefix-cache hit rate from the server's counters, beside the simulator's.
+shape, or a .gguf file), weight and KV formats (`--dtype`, `--quantization`,
+`--kv-cache-dtype`), token budget, shared prefixes (`--prefix-tokens`, `--num-prefixes`) and
+speculative decoding (`--speculative-config`: the simulator draws its drafts with the chances
+the server's counters gave during the refit); each real run also reports its preemptions,
+prefix-cache hit rate and draft acceptance from the server's counters, beside the simulator's,
+and how much slower its steps were than the fitted steps against the same model (the
+machine's speed moving between the fit and the run: benchmarks/probe_machine_speed.py).
 benchmarks/bench_sim_validation.py runs it over the held-out configurations.
 
 Rates: the simulator's saturated throughput (every request at once) sets the top one; the other
