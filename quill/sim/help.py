@@ -30,6 +30,12 @@ prefix caching: --prefix-tokens N gives synthetic request i the prefix i mod --n
 least the prompt's last token is computed. Results show the share of tokens looked up that
 were found cached (--no-enable-prefix-caching to compare).
 
+speculative decoding: --speculative-config (as quill serve's) runs the engine's own drafts,
+verification and switch; since simulated text has no words, each decode asked for drafts gets
+some with chance --spec-proposal-rate, --spec-draft-length of them on average, each holding
+with chance --spec-acceptance when the ones before it held. A server's spec_decode counters
+over a workload give all three (quill.sim.speculation.SpecChances.measured).
+
 goodput counts requests served in full whose TTFT, mean inter-token latency (their time per
 output token) and end-to-end latency are within the SLO given. ITL percentiles are over every
 inter-token gap of every request, as vLLM's benchmark client reports them.
