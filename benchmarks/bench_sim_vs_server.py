@@ -419,15 +419,14 @@ def main(argv: list[str] | None = None) -> int:
                 reals.append(measured_run(server.url, model_name, items, make_prompt))
                 checks.append(held_out_steps(config.cost, steps_file, seen))
             speeds = run_speeds(checks, fit_check)
-            these = sims
-            simulated = {n: run_colocated(c, items)["results"] for n, c in these.items()}
+            simulated = {n: run_colocated(c, items)["results"] for n, c in sims.items()}
             row = {"rate": rate, "server": reals, "simulated": simulated,
                    "compare": compare(reals, simulated), "steps": checks[-1],
                    "steps_by_run": checks, "run_speeds": speeds}  # fmt: skip
             runs.append(row)
             failed = sum(r["num_failed"] for r in reals)
             print(f"\nrate {rate:.3f} req/s ({failed} failed)")
-            head = "".join(f"{n + ' err':>18}" for n in these)
+            head = "".join(f"{n + ' err':>18}" for n in sims)
             print(f"{'':10}{'server (runs)':>22}{'spread':>8}{head}")
             steps = row["steps"]
             print(f"the last run's {steps['steps']} steps against the step model: median "
@@ -442,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 runs_text = "/".join(f"{v:.1f}" for v in c["server"])
                 errs = "".join(f"{c[n]['error']:+18.1%}" if c[n]["error"] is not None
-                               else f"{'-':>18}" for n in these)  # fmt: skip
+                               else f"{'-':>18}" for n in sims)  # fmt: skip
                 spread = "-" if c["spread"] is None else f"{c['spread']:.1%}"
                 print(f"{name:10}{runs_text:>22}{spread:>8}{errs}")
     finally:
