@@ -80,6 +80,14 @@ def cmd_tp_node(args: argparse.Namespace) -> int:
     return run_node(EngineConfig(args.model, **engine_options(args)))
 
 
+SERVE_HELP = "OpenAI-compatible HTTP server"
+ROUTER_HELP = (
+    "one OpenAI endpoint for prefill and decode instances (disaggregation), or for "
+    "whole-request instances, picked by load"
+)
+OFFLINE_COMMANDS = {"generate", "chat", "tp-node", "cost", "simulate", "bench"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,21 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_arguments(node)
     node.set_defaults(func=cmd_tp_node)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help=SERVE_HELP)
+    words = sys.argv[1:] if argv is None else argv
+    # The server's modules (FastAPI, pydantic) take about half a second to import: only a
+    # command that may be one of theirs, or a request for help, pays for them.
     try:
+        if words and words[0] in OFFLINE_COMMANDS:
+            raise ImportError("not needed")
         from quill.server.serve import add_serve_arguments, run_serve
     except ImportError:  # the server's dependencies are optional for offline use
         add_serve_arguments = run_serve = None
+        sub.add_parser("router", help=ROUTER_HELP)
     if add_serve_arguments is not None:
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
         from quill.router.app import add_router_arguments, run_router
 
-        router = sub.add_parser(
-            "router",
-            help="one OpenAI endpoint for prefill and decode instances (disaggregation), or "
-            "for whole-request instances, picked by load",
-        )
+        router = sub.add_parser("router", help=ROUTER_HELP)
         add_router_arguments(router)
         router.set_defaults(func=run_router)
 

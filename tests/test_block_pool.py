@@ -49,7 +49,8 @@ def check_invariants(scheduler: Scheduler, content: dict[int, list] | None = Non
     if content is not None:  # every cached block holds the tokens its hash was made from
         for b, block_hash in enumerate(pool.block_hashes):
             if block_hash is not None:
-                tokens = BLOCK_TOKENS[block_hash[:32]]  # past 32 bytes: the group's mark
+                # A later group's key is (hash, group).
+                tokens = BLOCK_TOKENS[block_hash[0] if type(block_hash) is tuple else block_hash]
                 assert tuple(content[b]) == tokens, f"block {b} is stale"
 
 

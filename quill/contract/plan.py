@@ -121,7 +121,9 @@ class SeqPlan:
         Everything else (prompt chunks, and the recomputation of a preempted request's prompt
         and output) is prefill.
         """
-        return len(self.token_ids) == 1 + self.num_drafts and self.start >= self.num_prompt_tokens
+        drafts = self.draft_token_ids  # (num_drafts, without a call: once per sequence a step)
+        n = 1 + len(drafts) if drafts else 1
+        return len(self.token_ids) == n and self.start >= self.num_prompt_tokens
 
     @property
     def is_prefill(self) -> bool:

@@ -142,6 +142,19 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def is_plain(self) -> bool:
+        """Only the choice of tokens: no penalty (a step needs no token history), constraint,
+        thinking budget or pooling. The engine's plan is made leaner for these."""
+        return (
+            self.structured is None
+            and self.thinking_budget is None
+            and self.pooling is None
+            and self.repetition_penalty == 1.0  # uses_penalties, inline: once a sequence a step
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+        )
+
+    @property
     def uses_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from quill.engine.kv_events import HASH_BYTES, KVEventLog
+from quill.engine.kv_events import KVEventLog
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -29,9 +29,10 @@ class BlockPool:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # The hash of the full block a block holds, when it is registered in `cached`.
-        self.block_hashes: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # content hash -> the block that holds it
+        # The key of the full block a block holds, when it is registered in `cached`: its hash,
+        # or (hash, group) for a later KV group's (quill/engine/kv_cache.KVCacheManager._key).
+        self.block_hashes: list[bytes | int | tuple | None] = [None] * num_blocks
+        self.cached: dict[bytes | int | tuple, int] = {}  # content key -> the block holding it
         # Free blocks in eviction order (an OrderedDict pops and unlinks from the middle in O(1)).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
@@ -53,12 +54,14 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """`n` fresh blocks; a block taken from the cache loses its cached content."""
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
+        free = self._free
+        if n > len(free):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(free)} free")
+        pop, ref_counts, hashes = free.popitem, self.ref_counts, self.block_hashes
+        blocks = [pop(False)[0] for _ in range(n)]
         for b in blocks:
-            self.ref_counts[b] = 1
-            if self.block_hashes[b] is not None:
+            ref_counts[b] = 1
+            if hashes[b] is not None:
                 self._uncache(b)
                 self.num_evictions += 1
         return blocks
@@ -75,14 +78,16 @@ class BlockPool:
     def free(self, blocks: list[int]) -> None:
         # Release in reverse so that a request's tail blocks are evicted before its head:
         # the head is the part other requests are likely to share.
+        ref_counts, hashes, free = self.ref_counts, self.block_hashes, self._free
         for b in reversed(blocks):
-            if self.ref_counts[b] <= 0:
+            count = ref_counts[b] - 1
+            if count < 0:
                 raise ValueError(f"block {b} freed twice")
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self._free[b] = None
-                if self.block_hashes[b] is None:
-                    self._free.move_to_end(b, last=False)
+            ref_counts[b] = count
+            if count == 0:
+                free[b] = None
+                if hashes[b] is None:
+                    free.move_to_end(b, last=False)
 
     # -- the cache of full blocks ---------------------------------------------------------
     def lookup(self, block_hash: bytes) -> int | None:
@@ -110,5 +115,5 @@ class BlockPool:
         block_hash = self.block_hashes[block]
         del self.cached[block_hash]
         self.block_hashes[block] = None
-        if self.events is not None and len(block_hash) == HASH_BYTES:
+        if self.events is not None and type(block_hash) is not tuple:  # the first group's
             self.events.removed(block_hash)

@@ -430,30 +430,44 @@ class EngineCore:
     def make_plan(self, sched: SchedulerOutput) -> StepPlan:
         """The scheduler's decision as plain data (block tables copied: they grow later)."""
         tables = self.scheduler.kv.block_tables
+        copy_tables = getattr(self.executor, "reads_block_tables", True)
         seqs = []
         append = seqs.append
         for s in sched.scheduled:  # once per scheduled request per step: kept lean
             request = s.request
             start = s.start
             samples = s.samples
-            params = request.sampling_params if samples else None
-            history = samples and params.uses_penalties
             drafts = s.draft_token_ids
             if drafts:  # the last token, then the guesses after it
                 token_ids = request.token_ids_slice(start, start + 1) + drafts
             else:
                 token_ids = request.token_ids_slice(start, start + s.num_tokens)
-            pooling = request.sampling_params.pooling
+            rid = request.request_id
+            own = request.sampling_params
+            # Copied: the tables grow later. An executor that never reads them (the
+            # simulator's) gets the scheduler's own.
+            block_tables = [t[:] for t in tables[rid]] if copy_tables else tables[rid]
+            if own.is_plain and request.prompt_logprobs is None:  # most sequences: no
+                # history, mask, scored prompt tokens or pooling (positional: it is faster)
+                params = own if samples else None
+                n_prompt = len(request.prompt_token_ids)
+                seq = SeqPlan(rid, token_ids, start, n_prompt, block_tables, samples, params)
+                seq.draft_token_ids = drafts
+                append(seq)
+                continue
+            params = own if samples else None
+            history = samples and params.uses_penalties
+            pooling = own.pooling
             scored = None
             if request.prompt_logprobs is not None:
                 scored = prompt_tokens_to_score(request, start, s.num_tokens)
             append(
                 SeqPlan(
-                    request.request_id,
+                    rid,
                     token_ids,
                     start,
                     len(request.prompt_token_ids),
-                    [table[:] for table in tables[request.request_id]],
+                    block_tables,
                     samples,
                     params,
                     request.prompt_token_ids if history else None,

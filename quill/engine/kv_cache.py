@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from quill.contract.kv_groups import NULL_BLOCK, first_needed_block, peak_blocks
@@ -34,6 +34,11 @@ from quill.engine.request import Request
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The hash of a full block of `token_ids` that follows the prefix hashed as `parent`."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+# hash_block, or another function of the same shape (the simulator's, whose hashes are ints:
+# quill/sim/replica.py).
+BlockHasher = Callable[[bytes, Sequence[int]], bytes | int]
 
 
 def chain_root(cache_salt: str | None) -> bytes:
@@ -70,8 +75,10 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         group_windows: Sequence[int] = (0,),
+        block_hasher: BlockHasher = hash_block,
     ) -> None:
         self.block_size = block_size
+        self.hash_block = block_hasher
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.group_windows = tuple(group_windows)  # KVGroups.group_windows (0: global)
@@ -115,10 +122,11 @@ class KVCacheManager:
         tables = self.block_tables.get(request_id)
         return tables[group] if tables else []
 
-    def _key(self, group: int, block_hash: bytes) -> bytes:
+    def _key(self, group: int, block_hash: bytes) -> bytes | tuple[bytes, int]:
         """A group's blocks hold other layers' keys than the same tokens' blocks of another
-        group: the cache tells them apart."""
-        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+        group: the cache tells them apart (a first-group key is the bare hash, the only kind
+        of key that is no tuple: the one KV-cache events tell of)."""
+        return block_hash if group == 0 else (block_hash, group)
 
     # -- prefix caching -------------------------------------------------------------------
     def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
@@ -126,10 +134,15 @@ class KVCacheManager:
         as its tokens grow)."""
         hashes = request.block_hashes
         if len(hashes) < num_blocks:
-            size = self.block_size
+            size, hash_of = self.block_size, self.hash_block
+            prompt = request.prompt_token_ids
             parent = hashes[-1] if hashes else chain_root(request.cache_salt)
-            for i in range(len(hashes), num_blocks):
-                parent = hash_block(parent, request.token_ids_slice(i * size, (i + 1) * size))
+            for end in range((len(hashes) + 1) * size, (num_blocks + 1) * size, size):
+                if end <= len(prompt):
+                    tokens = prompt[end - size : end]
+                else:
+                    tokens = request.token_ids_slice(end - size, end)
+                parent = hash_of(parent, tokens)
                 hashes.append(parent)
         return hashes
 
@@ -192,16 +205,19 @@ class KVCacheManager:
         if full <= done or not self.enable_prefix_caching:
             return
         hashes = self.block_hashes(request, full)
-        cache, key, events = self.pool.cache, self._key, self.pool.events
-        for g, table in enumerate(self.block_tables[rid]):
+        cache, events = self.pool.cache, self.pool.events
+        tables = self.block_tables[rid]
+        table = tables[0]  # the first group's: its key is the bare hash, and events tell of it
+        for i in range(done, full):
+            if table[i] != NULL_BLOCK and cache(table[i], hashes[i]) and events is not None:
+                parent = hashes[i - 1] if i else (chain_root(request.cache_salt) or None)
+                size = self.block_size
+                events.stored(hashes[i], parent, request.token_ids_slice(i * size, (i + 1) * size))
+        for g in range(1, len(tables)):
+            table = tables[g]
             for i in range(done, full):
-                if table[i] != NULL_BLOCK and cache(table[i], key(g, hashes[i])) and g == 0:
-                    if events is not None:
-                        parent = hashes[i - 1] if i else (chain_root(request.cache_salt) or None)
-                        size = self.block_size
-                        events.stored(
-                            hashes[i], parent, request.token_ids_slice(i * size, (i + 1) * size)
-                        )
+                if table[i] != NULL_BLOCK:
+                    cache(table[i], self._key(g, hashes[i]))
         self._num_registered[rid] = full
 
     # -- tables ---------------------------------------------------------------------------
@@ -213,11 +229,20 @@ class KVCacheManager:
         with nothing changed but blocks behind its windows freed, if the pool is short."""
         rid = request.request_id
         tables = self.block_tables.get(rid)
+        pool = self.pool
         if tables is None:
             tables = self.block_tables[rid] = [[] for _ in self.group_windows]
         elif self._sliding_groups:
             self._free_behind_windows(tables, request.num_computed_tokens)
-        pool = self.pool
+        elif not cached_blocks:  # a running request grows (every decode that fills a block)
+            needed = -(-num_tokens // self.block_size) - len(tables[0])
+            if needed <= 0:
+                return True
+            if needed * len(tables) > pool.num_free_blocks:
+                return False
+            for table in tables:
+                table.extend(pool.allocate(needed))
+            return True
         num_cached = len(cached_blocks[0]) if cached_blocks else 0
         needed = self.blocks_for(num_tokens) - len(tables[0]) - num_cached
         revived = self._revived(cached_blocks)

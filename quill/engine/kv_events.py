@@ -27,8 +27,6 @@ from typing import Any
 
 import msgspec
 
-HASH_BYTES = 32  # a first-group block's key is its bare SHA-256 digest
-
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float

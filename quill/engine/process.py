@@ -46,7 +46,6 @@ from quill.contract.messages import (
     UtilityCall,
     UtilityResult,
 )
-from quill.engine.kv_events import HASH_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +308,7 @@ class EngineLoop:
             "prefix_cache_queries": kv.stats.queries,
             "prefix_cache_hits": kv.stats.hits,
             # First-group blocks the prefix cache holds: those KV-cache events tell of.
-            "prefix_cached_blocks": sum(1 for h in kv.pool.cached if len(h) == HASH_BYTES),
+            "prefix_cached_blocks": sum(1 for h in kv.pool.cached if type(h) is not tuple),
             "pid": os.getpid(),
         }
 

@@ -50,9 +50,13 @@ class RequestTimes:
         self.last_token = now
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence being served. `num_computed_tokens` counts tokens whose KV is cached."""
+    """One sequence being served. `num_computed_tokens` counts tokens whose KV is cached.
+
+    Equal only to itself: the scheduler removes requests from its lists, and a field-by-field
+    comparison with each one before it (their token lists included) made taking the 200th of
+    256 running requests out cost 0.17 ms."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -74,7 +78,7 @@ class Request:
     times: RequestTimes = None  # type: ignore[assignment]
     priority: int = 0  # lower is served first (under the priority policy)
     cache_salt: str | None = None  # requests share cached blocks only with the same salt
-    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, so far
+    block_hashes: list[bytes | int] = field(default_factory=list)  # of its full blocks, so far
     num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
     ttft_slo: float | None = None  # seconds: refuse at once if the first token would be later
     predicted_ttft: float | None = None  # the admission check's prediction, in seconds

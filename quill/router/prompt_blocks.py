@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from quill.contract.errors import InvalidRequestError
-from quill.engine.kv_cache import chain_root, hash_block
+from quill.engine.kv_cache import BlockHasher, chain_root, hash_block
 from quill.frontend.chat import ChatFormat
 from quill.frontend.json_limits import JsonLimits
 from quill.frontend.tokenizer import Tokenizer
@@ -37,11 +37,17 @@ class _Front:
     chat_format: ChatFormat
 
 
-def prefix_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list:
-    """The hashes of the full blocks of `token_ids`, as the engine names them."""
+def prefix_hashes(
+    token_ids: list[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    hasher: BlockHasher = hash_block,
+) -> list:
+    """The hashes of the full blocks of `token_ids`, as the engine (hashing with `hasher`)
+    names them."""
     parent, out = chain_root(cache_salt), []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
+        parent = hasher(parent, token_ids[start : start + block_size])
         out.append(parent)
     return out
 

@@ -33,14 +33,25 @@ from quill.sim.workload import WorkItem
 SAMPLED_TOKEN = 0  # any valid id: requests ignore EOS and have no stop tokens
 
 
+def made_up_block_hash(parent: bytes | int, token_ids) -> int:
+    """The simulator's block hash (KVCacheManager's `block_hasher`), a quarter of SHA-256's
+    cost: its prompts are made up, so no user's cached state is at stake, and 64 bits keep
+    blocks apart (a collision among a million requests' 24 million blocks is about 1e-5
+    likely). `parent` is a chain's root (b"": the simulator salts no request) or the block
+    before's hash. Python hashes ints without a per-process salt, so a run repeats exactly;
+    it hashes -1 as -2, so PromptTokens never makes -1."""
+    return hash((parent or 0, *token_ids))
+
+
 class PromptTokens:
     """Makes a work item's prompt token ids, so that the prefix cache hits exactly where the
     workload says prompts share and nowhere else.
 
     A prompt's first `prefix_tokens` tokens are one value per prefix_id (1, 2, ... in order of
-    first use) and the rest a value of the request's own (-1, -2, ...); a prompt without a
-    prefix_id is all its own value. Block hashes chain over every earlier token, so two prompts
-    have equal blocks only within their shared prefix. No value is SAMPLED_TOKEN: replies only
+    first use) and the rest a value of the request's own (-2, -3, ...: -1 would hash as -2
+    does in `made_up_block_hash`); a prompt without a prefix_id is all its own value. Block
+    hashes chain over every earlier token, so two prompts have equal blocks only within their
+    shared prefix. No value is SAMPLED_TOKEN: replies only
     match where the prompts before them are equal. One instance serves every replica of a run,
     so the values mean the same on all of them (a request moves from a prefill replica to a
     decode one with its token ids). Costs a list multiplication per request.
@@ -48,7 +59,7 @@ class PromptTokens:
 
     def __init__(self) -> None:
         self.prefixes: dict[str | int, int] = {}
-        self.last_own = 0
+        self.last_own = -1
 
     def __call__(self, item: WorkItem) -> list[int]:
         self.last_own -= 1
@@ -77,6 +88,8 @@ class SimExecutor:
     at half speed (processor sharing). `fetches` keeps (request id, when it started, seconds)
     of each that ended, for the event loop to collect.
     """
+
+    reads_block_tables = False  # the engine core hands it its tables uncopied
 
     def __init__(
         self,
@@ -215,6 +228,7 @@ class Replica:
             config.block_size,
             config.enable_prefix_caching,
             config.cost.model.kv_groups.group_windows,
+            made_up_block_hash,
         )
         # As `quill serve` builds it: the switch, when on, prices steps by the cost model and
         # corrects that by the (virtual) times the steps took.

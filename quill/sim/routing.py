@@ -10,7 +10,7 @@ the same way: the same policy objects (quill/router/policies.py), the same index
 each poll, and the replica's block-pool events held back by the delay.
 
 The prompt's blocks: a simulated prompt shares only its prefix (quill/sim/replica.
-PromptTokens), so its shared blocks' hashes are the engine's hashes of the prefix's tokens,
+PromptTokens), so its shared blocks' hashes are the replicas' hashes of the prefix's tokens,
 made once per prefix; its own blocks match nowhere and are only counted.
 """
 
@@ -22,7 +22,7 @@ from quill.engine.kv_events import KVEventLog
 from quill.router.kv_index import ReplicaBlocks
 from quill.router.policies import CacheAware, make_policy, vllm_load
 from quill.router.prompt_blocks import prefix_hashes
-from quill.sim.replica import PromptTokens, Replica
+from quill.sim.replica import PromptTokens, Replica, made_up_block_hash
 from quill.sim.workload import WorkItem
 
 POLL_S = 0.25
@@ -131,6 +131,8 @@ class SimRouter:
         hashes = self._prefix_hashes.get(key)
         if hashes is None:
             value = self.tokens.prefix_value(item.prefix_id)
-            hashes = prefix_hashes([value] * item.prefix_tokens, self.block_size)
+            hashes = prefix_hashes(
+                [value] * item.prefix_tokens, self.block_size, hasher=made_up_block_hash
+            )
             self._prefix_hashes[key] = hashes
         return hashes, num_blocks
