@@ -205,22 +205,27 @@ def random_checkpoint(directory, kind: str, sharded: bool = True, **shape):
     return ref
 
 
-def run_native_tests_with_avx2(test_file: str) -> None:
-    """Runs a test file's native tests in a process that loads the AVX2 library (an AVX-512
-    CPU runs it too), and fails unless they all ran and passed."""
+def run_native_tests_with_avx2(*test_files: str) -> None:
+    """Runs the test files' native tests in one process that loads the AVX2 library (an
+    AVX-512 CPU runs it too), and fails unless each file's ran and all passed."""
     import os
+    import re
     import subprocess
     import sys
 
     env = {**os.environ, "QUILL_NATIVE_ISA": "avx2"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "native"],
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *test_files, "-k",
+         "native"],
         env=env,
         capture_output=True,
         text=True,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout
+    assert "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+    for path in test_files:
+        name = re.escape(os.path.basename(path))
+        assert re.search(rf"{name}::\S+ PASSED", proc.stdout), (path, proc.stdout[-3000:])
 
 
 def rewrite_gguf(src, dst, encode) -> None:

@@ -26,7 +26,7 @@ from quill.contract.kv_groups import NULL_BLOCK, first_needed_block
 from quill.contract.plan import SeqPlan
 from quill.model.attention import AttentionLayout, native_supported, paged_attention
 from quill.ops import library
-from tests.conftest import NATIVE, run_native_tests_with_avx2
+from tests.conftest import NATIVE
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 PATHS = ["reference", pytest.param("native", marks=needs_native)]
@@ -486,15 +486,3 @@ def test_library_is_the_best_this_cpu_runs():
     assert torch.ops.quill.isa() == NATIVE.isa
     expected = os.environ.get("QUILL_NATIVE_ISA") or runnable[0]
     assert NATIVE.isa == expected
-
-
-@pytest.mark.skipif(
-    "avx512" not in library.runnable_isas(), reason="the CPU lacks AVX-512 (avx512_bf16, VNNI)"
-)
-@pytest.mark.skipif(
-    NATIVE is None or NATIVE.isa != "avx512", reason="the AVX-512 library is not loaded"
-)
-def test_avx2_library():
-    """The AVX2 library runs on AVX-512 CPUs too: its native tests, in a process of its own."""
-    assert library.library_path("avx2").is_file(), "`make setup` builds every library the CPU runs"
-    run_native_tests_with_avx2(__file__)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.model.linear import Linear, MergedLinear, dense
-from tests.conftest import NATIVE, run_native_tests_with_avx2
+from tests.conftest import NATIVE
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 
@@ -115,11 +115,3 @@ def _parts(merged: MergedLinear):
     for rows in merged.parts:
         yield merged.weight[offset : offset + rows], merged.bias[offset : offset + rows]
         offset += rows
-
-
-@pytest.mark.skipif(
-    NATIVE is None or NATIVE.isa != "avx512", reason="the AVX-512 library is not loaded"
-)
-def test_avx2_library():
-    """The AVX2 kernel (fp32 FMAs after widening, 4 rows a pass) in a process of its own."""
-    run_native_tests_with_avx2(__file__)

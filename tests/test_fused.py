@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.ops import fused
-from tests.conftest import NATIVE, run_native_tests_with_avx2
+from tests.conftest import NATIVE
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -216,10 +216,3 @@ def test_dispatch_falls_back_where_the_native_ops_do_not_apply():
     residual = torch.randn(2, 20)
     want = fused.reference_rms_norm(residual + x, weight, 1e-6)
     torch.testing.assert_close(fused.add_rms_norm(x, residual, weight, 1e-6), want)
-
-
-@pytest.mark.skipif(
-    NATIVE is None or NATIVE.isa != "avx512", reason="the AVX-512 library is not loaded"
-)
-def test_avx2_library():
-    run_native_tests_with_avx2(__file__)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quill.ops import kquant
-from tests.conftest import NATIVE, run_native_tests_with_avx2
+from tests.conftest import NATIVE
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 TYPES = sorted(kquant.NAMES)
@@ -288,10 +288,3 @@ def test_the_pytorch_path_places_rows_and_adds_bias(monkeypatch):
     want = torch.empty(2, 4)
     want[:, row_map.long()] = x @ w.T + bias
     torch.testing.assert_close(out, want)
-
-
-@pytest.mark.skipif(
-    NATIVE is None or NATIVE.isa != "avx512", reason="the AVX2 library is checked on AVX-512"
-)
-def test_avx2_library():
-    run_native_tests_with_avx2(__file__)

@@ -8,8 +8,21 @@ import torch
 from quill import SamplingParams
 from tests.conftest import PROMPTS
 
+# (id of the model, prompt, tokens) -> (the model, its tokens). The same references are asked
+# for by several tests (the cache in each dtype against the same model): ~9 s a set here.
+# Holding the model keeps its id from naming another while the entry lives.
+_GREEDY: dict[tuple, tuple] = {}
+
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation (computed once per model, prompt and length)."""
+    key = (id(hf_model), tuple(prompt_ids), max_new_tokens)
+    if key not in _GREEDY:
+        _GREEDY[key] = (hf_model, _generate(hf_model, prompt_ids, max_new_tokens))
+    return list(_GREEDY[key][1])
+
+
+def _generate(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids], device=hf_model.device)
         out = hf_model.generate(

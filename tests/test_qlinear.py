@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quill.ops import qlinear
-from tests.conftest import NATIVE, run_native_tests_with_avx2
+from tests.conftest import NATIVE
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="no native library built for this CPU")
 
@@ -244,11 +244,3 @@ def test_native_refuses_bad_shapes():
         torch.ops.quill.q8_linear(
             torch.randn(2, 64), packed.codes, packed.scales.float(), packed.sums
         )
-
-
-@pytest.mark.skipif(
-    NATIVE is None or NATIVE.isa != "avx512", reason="the AVX-512 library is not loaded"
-)
-def test_avx2_library():
-    """The AVX2 kernel (vpmaddubsw, no VNNI) on an AVX-512 CPU, in a process of its own."""
-    run_native_tests_with_avx2(__file__)
