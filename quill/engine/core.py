@@ -428,7 +428,8 @@ class EngineCore:
         return failures, ran, merged
 
     def make_plan(self, sched: SchedulerOutput) -> StepPlan:
-        """The scheduler's decision as plain data (block tables copied: they grow later)."""
+        """The scheduler's decision as plain data (block tables copied, since they grow later,
+        unless the executor says it reads none: `reads_block_tables = False`)."""
         tables = self.scheduler.kv.block_tables
         copy_tables = getattr(self.executor, "reads_block_tables", True)
         seqs = []

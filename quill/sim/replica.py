@@ -51,10 +51,10 @@ class PromptTokens:
     first use) and the rest a value of the request's own (-2, -3, ...: -1 would hash as -2
     does in `made_up_block_hash`); a prompt without a prefix_id is all its own value. Block
     hashes chain over every earlier token, so two prompts have equal blocks only within their
-    shared prefix. No value is SAMPLED_TOKEN: replies only
-    match where the prompts before them are equal. One instance serves every replica of a run,
-    so the values mean the same on all of them (a request moves from a prefill replica to a
-    decode one with its token ids). Costs a list multiplication per request.
+    shared prefix. No value is SAMPLED_TOKEN: replies only match where the prompts before them
+    are equal. One instance serves every replica of a run, so the values mean the same on all
+    of them (a request moves from a prefill replica to a decode one with its token ids). Costs
+    a list multiplication per request.
     """
 
     def __init__(self) -> None:
