@@ -63,6 +63,10 @@ class Router:
         if self.routing is not None:
             self.routing.stepped(replica)
 
+    def arrivals_ended(self) -> None:
+        if self.routing is not None:
+            self.routing.arrivals_ended()
+
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
@@ -117,6 +121,8 @@ def run_colocated(
                 target.outstanding += item.prompt_tokens + item.output_tokens
                 target.submit(item, item.arrival_time)
                 item = next(arrivals, None)
+                if item is None:
+                    route.arrivals_ended()
                 continue
             if replica is None:
                 break

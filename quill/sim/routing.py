@@ -68,6 +68,14 @@ class RoutedReplica:
             if drained:
                 self._pending.append((self.replica.clock.t + delay_s, drained))
 
+    def stop_following(self) -> None:
+        """No request is left to route: what the replica's cache does from now on can change
+        no choice, so its events are neither recorded nor held (holding them until the end
+        made a routed run's memory grow with its length)."""
+        self._pending.clear()
+        self.replica.fast_events.clear()
+        self.replica.core.scheduler.kv.pool.events = None
+
     def catch_up(self, now: float) -> None:
         pending = self._pending
         while pending and pending[0][0] <= now:
@@ -101,6 +109,11 @@ class SimRouter:
     def stepped(self, replica: Replica) -> None:
         if self.cache_aware:
             self._by_replica[id(replica)].stepped(self.events_delay_s)
+
+    def arrivals_ended(self) -> None:
+        if self.cache_aware:
+            for r in self.routed:
+                r.stop_following()
 
     def pick(self, item: WorkItem) -> Replica:
         now = item.arrival_time
