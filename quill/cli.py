@@ -119,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     # The server's modules (FastAPI, pydantic) take about half a second to import: only a
     # command that may be one of theirs, or a request for help, pays for them.
-    try:
-        if words and words[0] in OFFLINE_COMMANDS:
-            raise ImportError("not needed")
-        from quill.server.serve import add_serve_arguments, run_serve
-    except ImportError:  # the server's dependencies are optional for offline use
-        add_serve_arguments = run_serve = None
+    add_serve_arguments = run_serve = None
+    if not (words and words[0] in OFFLINE_COMMANDS):
+        try:
+            from quill.server.serve import add_serve_arguments, run_serve
+        except ImportError:  # the server's dependencies are optional for offline use
+            pass
+    if add_serve_arguments is None:
         sub.add_parser("router", help=ROUTER_HELP)
-    if add_serve_arguments is not None:
+    else:
         add_serve_arguments(serve)
         serve.set_defaults(func=run_serve)
         from quill.router.app import add_router_arguments, run_router

@@ -448,15 +448,14 @@ class EngineCore:
             # Copied: the tables grow later. An executor that never reads them (the
             # simulator's) gets the scheduler's own.
             block_tables = [t[:] for t in tables[rid]] if copy_tables else tables[rid]
+            params = own if samples else None
             if own.is_plain and request.prompt_logprobs is None:  # most sequences: no
                 # history, mask, scored prompt tokens or pooling (positional: it is faster)
-                params = own if samples else None
                 n_prompt = len(request.prompt_token_ids)
                 seq = SeqPlan(rid, token_ids, start, n_prompt, block_tables, samples, params)
                 seq.draft_token_ids = drafts
                 append(seq)
                 continue
-            params = own if samples else None
             history = samples and params.uses_penalties
             pooling = own.pooling
             scored = None

@@ -38,7 +38,8 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 # hash_block, or another function of the same shape (the simulator's, whose hashes are ints:
 # quill/sim/replica.py).
-BlockHasher = Callable[[bytes, Sequence[int]], bytes | int]
+# Its `parent` is a chain's root (chain_root) or the hash it gave the block before.
+BlockHasher = Callable[[bytes | int, Sequence[int]], bytes | int]
 
 
 def chain_root(cache_salt: str | None) -> bytes:
