@@ -10,7 +10,10 @@ import sys
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from quill.contract.plan import SeqPlan, StepPlan
 from quill.cost import BatchShape, CostModel, HardwareSpec, ModelSpec
 from quill.cost.cli import add_cost_parser, main
 from quill.cost.model import PRESETS
@@ -569,3 +572,34 @@ def test_a_gguf_is_priced_at_the_bytes_its_types_store():
     params = 49152 * 256 + 2 * (attention + mlp) + 5 * 256
     assert spec.num_params == params
     assert spec.weight_bytes == pytest.approx(table + layer0 + layer1 + norms)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 40),  # start
+            st.integers(1, 5),  # tokens (with drafts: 1 + drafts)
+            st.integers(0, 40),  # prompt tokens
+            st.booleans(),  # samples
+            st.integers(0, 3),  # drafts
+            st.integers(0, 3),  # prompt tokens scored
+        ),
+        max_size=8,
+    )
+)
+def test_a_plan_is_counted_and_shaped_as_its_sequences_say(seqs):
+    """StepPlan.token_counts and BatchShape.from_plan count inline what SeqPlan's properties
+    define (is_decode, num_logits): both must agree with them, seq by seq."""
+    plan = StepPlan(0, [])
+    for start, n, n_prompt, samples, drafts, scored in seqs:
+        seq = SeqPlan("r", [7] * (1 + drafts if drafts else n), start, n_prompt, [[0]], samples)
+        seq.draft_token_ids = [7] * drafts if drafts else None
+        seq.prompt_logprob_token_ids = [7] * scored if scored else None
+        plan.seqs.append(seq)
+    tokens = sum(s.num_tokens for s in plan.seqs)
+    decode = sum(s.num_tokens for s in plan.seqs if s.is_decode)
+    assert plan.token_counts() == (tokens, decode)
+    assert plan.num_decode_tokens == decode
+    reference = [(s.start, s.num_tokens, s.num_logits, s.is_decode) for s in plan.seqs]
+    assert BatchShape.from_plan(plan) == BatchShape.from_seqs(reference)

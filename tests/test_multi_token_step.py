@@ -4,6 +4,9 @@ turns them into text like tokens that came one by one."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from quill import SamplingParams
 from quill.contract.plan import StepPlan, StepResult
 from quill.engine.clock import VirtualClock
@@ -87,3 +90,55 @@ def test_min_tokens_holds_back_an_end_token_inside_the_list():
     _, _, finished = _run(script, [Request("a", [1], params, 0.0, 10, frozenset({eos}))])
     assert finished["a"].output_token_ids == [eos, eos, 4, eos]
     assert finished["a"].finish_reason == "stop"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(st.lists(st.integers(5, 9), min_size=1, max_size=4), min_size=1, max_size=6),
+    min_tokens=st.integers(0, 6),
+    max_tokens=st.integers(1, 12),
+    ignore_eos=st.booleans(),
+    stop_ids=st.sets(st.integers(5, 9), max_size=2),
+    max_model_len=st.integers(4, 16),
+)
+def test_a_request_ends_at_the_first_token_the_rules_end_it_at(
+    steps, min_tokens, max_tokens, ignore_eos, stop_ids, max_model_len
+):
+    """`update` checks every token without a call where nothing can end the request; the
+    request must still end exactly where the rules say: an end id (9 here, unless ignored) or
+    a stop id once min_tokens are out, else max_tokens, else the context length."""
+    prompt = [1, 2]
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
+                            ignore_eos=ignore_eos, stop_token_ids=sorted(stop_ids))  # fmt: skip
+    expected, reason = [], None
+    for token in [t for step in steps for t in step]:
+        expected.append(token)
+        n = len(expected)
+        if n >= params.min_tokens and not ignore_eos and token == 9:
+            reason = ("stop", None)
+        elif n >= params.min_tokens and token in stop_ids:
+            reason = ("stop", token)
+        elif n >= max_tokens or len(prompt) + n >= max_model_len:
+            reason = ("length", None)
+        if reason:
+            break
+    clock = VirtualClock()
+    script = {"a": [list(s) for s in steps] + [[5]] * 16}
+    core = EngineCore(
+        Scheduler(KVCacheManager(32, 4), 64, 4, max_model_len),
+        _ScriptedExecutor(clock, script),
+        clock,
+    )
+    core.add_request(Request("a", prompt, params, 0.0, max_tokens, frozenset({9})))
+    ended = []
+    for _ in range(len(steps)):
+        ended += core.step().finished
+        if ended:
+            break
+    if reason is None:
+        assert not ended
+        assert core.scheduler.requests["a"].output_token_ids == expected
+    else:
+        (a,) = ended
+        assert a.output_token_ids == expected
+        assert (a.finish_reason, a.stop_reason) == reason

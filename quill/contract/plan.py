@@ -158,7 +158,19 @@ class StepPlan:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs if s.is_decode)
+        return self.token_counts()[1]
+
+    def token_counts(self) -> tuple[int, int]:
+        """(tokens, of them decode tokens) in one pass: the engine counts both every step.
+        SeqPlan.is_decode, inline."""
+        tokens = decode = 0
+        for s in self.seqs:
+            n = len(s.token_ids)
+            tokens += n
+            drafts = s.draft_token_ids
+            if n == (1 + len(drafts) if drafts else 1) and s.start >= s.num_prompt_tokens:
+                decode += n
+        return tokens, decode
 
     @property
     def num_draft_tokens(self) -> int:

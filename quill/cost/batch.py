@@ -91,18 +91,26 @@ class BatchShape:
             return cls.from_seqs(
                 ((s.start, s.num_tokens, logits_rows(s), s.is_decode) for s in plan.seqs), window
             )
-        tokens = seqs_n = sampled = decode = pairs = read = 0
-        for s in plan.seqs:
+        tokens = sampled = decode = pairs = read = 0
+        seqs = plan.seqs
+        for s in seqs:
             start = s.start
             n = s.num_tokens
             tokens += n
-            seqs_n += 1
-            sampled += logits_rows(s)
-            if s.is_decode:
+            drafts = getattr(s, "draft_token_ids", None)
+            if getattr(s, "prompt_logprob_token_ids", None) is None:  # logits_rows, inline
+                if s.samples:
+                    sampled += 1 + len(drafts) if drafts else 1
+            else:
+                sampled += logits_rows(s)
+            if drafts is None and n == 1:  # is_decode unless it (re)computes its prompt
+                if s.is_decode:
+                    decode += 1
+            elif s.is_decode:
                 decode += n
             pairs += n * start + (n * (n + 1) >> 1)
             read += start + n
-        return cls(tokens, seqs_n, sampled, tokens - decode, decode, pairs, read, tokens)
+        return cls(tokens, len(seqs), sampled, tokens - decode, decode, pairs, read, tokens)
 
 
 def logits_rows(seq) -> int:

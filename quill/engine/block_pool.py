@@ -58,8 +58,10 @@ class BlockPool:
         if n > len(free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(free)} free")
         pop, ref_counts, hashes = free.popitem, self.ref_counts, self.block_hashes
-        blocks = [pop(False)[0] for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):  # a plain loop: most calls take one block (a decode's next)
+            b = pop(False)[0]
+            blocks.append(b)
             ref_counts[b] = 1
             if hashes[b] is not None:
                 self._uncache(b)

@@ -279,10 +279,10 @@ class EngineCore:
         out.advanced += advanced
         out.finished += finished
         out.logprobs = result.logprobs
-        num_decode = ran.num_decode_tokens
+        num_tokens, num_decode = ran.token_counts()
         kv = self.scheduler.kv
         out.stats = self.last_step = StepStats(
-            num_prefill_tokens=ran.num_tokens - num_decode,
+            num_prefill_tokens=num_tokens - num_decode,
             num_decode_tokens=num_decode,
             num_scheduled_requests=len(ran.seqs),
             num_running=self.scheduler.num_running,
@@ -439,8 +439,11 @@ class EngineCore:
             start = s.start
             samples = s.samples
             drafts = s.draft_token_ids
+            n_prompt = len(request.prompt_token_ids)
             if drafts:  # the last token, then the guesses after it
                 token_ids = request.token_ids_slice(start, start + 1) + drafts
+            elif s.num_tokens == 1 and start >= n_prompt:  # a decode: its last token
+                token_ids = [request.output_token_ids[start - n_prompt]]
             else:
                 token_ids = request.token_ids_slice(start, start + s.num_tokens)
             rid = request.request_id
@@ -451,7 +454,6 @@ class EngineCore:
             params = own if samples else None
             if own.is_plain and request.prompt_logprobs is None:  # most sequences: no
                 # history, mask, scored prompt tokens or pooling (positional: it is faster)
-                n_prompt = len(request.prompt_token_ids)
                 seq = SeqPlan(rid, token_ids, start, n_prompt, block_tables, samples, params)
                 seq.draft_token_ids = drafts
                 append(seq)
@@ -466,7 +468,7 @@ class EngineCore:
                     rid,
                     token_ids,
                     start,
-                    len(request.prompt_token_ids),
+                    n_prompt,
                     block_tables,
                     samples,
                     params,

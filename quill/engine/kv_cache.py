@@ -138,9 +138,12 @@ class KVCacheManager:
             size, hash_of = self.block_size, self.hash_block
             prompt = request.prompt_token_ids
             parent = hashes[-1] if hashes else chain_root(request.cache_salt)
+            n_prompt = len(prompt)
             for end in range((len(hashes) + 1) * size, (num_blocks + 1) * size, size):
-                if end <= len(prompt):
+                if end <= n_prompt:
                     tokens = prompt[end - size : end]
+                elif end - size >= n_prompt:
+                    tokens = request.output_token_ids[end - size - n_prompt : end - n_prompt]
                 else:
                     tokens = request.token_ids_slice(end - size, end)
                 parent = hash_of(parent, tokens)

@@ -426,6 +426,7 @@ class Scheduler:
         finished: list[Request] = list(out.finished)
         running = RequestStatus.RUNNING
         spec = self.spec_stats
+        max_len = self.max_model_len
         for s in out.scheduled:
             request = s.request
             if request.status is not running:  # aborted, or sent back to recompute
@@ -454,9 +455,24 @@ class Scheduler:
                     finished.append(request)
                 continue
             advanced.append(request)
+            output = request.output_token_ids
+            params = request.sampling_params
             for token in tokens:
-                request.output_token_ids.append(token)
+                output.append(token)
                 request.times.on_token(now)
+                num_output = len(output)
+                if (  # nothing ends it (_check_stop's tests, inline: once a token)
+                    num_output < request.max_tokens
+                    and len(request.prompt_token_ids) + num_output < max_len
+                    and (
+                        num_output < params.min_tokens
+                        or (
+                            (params.ignore_eos or token not in request.eos_token_ids)
+                            and token not in params.stop_token_ids
+                        )
+                    )
+                ):
+                    continue
                 reason, stop_reason = self._check_stop(request, token)
                 if reason is not None:
                     self.finish_request(request.request_id, reason, stop_reason, now)
