@@ -115,8 +115,9 @@ def test_disaggregated_hand_overs_and_fetches():
 
 
 def test_a_lone_request_decodes_in_one_jump_at_its_prices():
-    """100 tokens of reply after a 50-token prompt, nothing else: the prefill and the last
-    step are the core's, the 98 between one fast-forward; each step priced at its context."""
+    """100 tokens of reply after a 50-token prompt, nothing else: the prefill is the core's
+    step, the 99 after it (the last one ending the request) one fast-forward; each step priced
+    at its context."""
     config = replace(_config(), step_jitter=None, step_jitter_by_kind=None, step_gap=(0.001, 0.0))
     item = next(iter(synthetic(1, 1.0, LengthSpec(50, 50), LengthSpec(100, 100), seed=0)))
     out = run_colocated(config, [item])
@@ -129,4 +130,4 @@ def test_a_lone_request_decodes_in_one_jump_at_its_prices():
     assert out["results"]["e2e_ms"]["mean"] == pytest.approx((prefill + sum(decodes)) * 1e3,
                                                              rel=1e-12)  # fmt: skip
     assert out["replicas"][0]["steps"] == 100
-    assert out["replicas"][0]["fast_forwarded_steps"] == 98
+    assert out["replicas"][0]["fast_forwarded_steps"] == 99

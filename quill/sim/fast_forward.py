@@ -8,10 +8,12 @@ gap added in the same order), a token and its time for every request, KV blocks 
 entered in the prefix cache at the step and in the order the scheduler would (the pool's free
 list and eviction order stay the same), the executor's counters.
 
-A run stops before the step that would end a request (`max_tokens` or the context), before the
-first step starting at or after `until` (the next arrival or hand-over: arrivals win ties, as
-in the event loop), and before a step whose blocks the pool cannot give (the core's own step
-then preempts). It runs only where a step could do nothing else: no request that could be
+A run ends with the first step that ends a request (`max_tokens` or the context): the
+requests it ends are finished as the core's update finishes them (in running order, their
+blocks freed), and the core's next step admits what waits. A run also stops before the first
+step starting at or after `until` (the next arrival or hand-over: arrivals win ties, as in the
+event loop), and before a step whose blocks the pool cannot give (the core's own step then
+preempts). It runs only where a step could do nothing else: no request that could be
 admitted (none waiting, or the batch full at max_num_seqs), fetching or queued in; no
 speculative decoding, structured output, KV leases, step listener or windowed attention;
 every request plain (EOS ignored, no stop ids). A replica followed by a cache-aware router
@@ -61,33 +63,44 @@ def steady_requests(replica) -> list | None:
     return running
 
 
-def fast_forward(replica, until: float, token: int) -> int:
+def fast_forward(replica, until: float, token: int) -> list | None:
     """Run steady decode steps on `replica` while they start before `until`, each sampling
-    `token` for every request; how many ran."""
+    `token` for every request; the requests the last of them ended (None: no step ran)."""
     if replica.clock.t >= until:
-        return 0
+        return None
     running = steady_requests(replica)
     if running is None:
-        return 0
+        return None
     sched = replica.core.scheduler
     max_len = sched.max_model_len
     steps = math.inf
     context = 0  # the sum of the requests' positions in the first step
+    lefts = []  # each request's steps to its end
     for r in running:
         params = r.sampling_params
         if params.stop_token_ids or not (params.ignore_eos or not r.eos_token_ids):
-            return 0
+            return None
         total = len(r.prompt_token_ids) + len(r.output_token_ids)
         if r.num_computed_tokens != total - 1:  # not decoding
-            return 0
+            return None
         left = min(r.max_tokens - len(r.output_token_ids), max_len - total)
         if left < steps:
             steps = left
+        lefts.append(left)
         context += total - 1
-    steps -= 1  # the step that ends a request is the core's
+    ending = [r for r, left in zip(running, lefts) if left == steps]
+    if any(r.kv_lease_s is not None for r in ending):  # its end leases blocks: the core's
+        steps -= 1
+        ending = []
     if steps < MIN_STEPS:
-        return 0
-    return _run(replica, running, int(steps), context, until, token)
+        return None
+    done = _run(replica, running, int(steps), context, until, token)
+    if not done:
+        return None
+    if done < steps:
+        return []
+    core = replica.core  # the clock is at the last step's end, as the core's update has it
+    return [core.finish_request(r.request_id, "length") for r in ending]
 
 
 def _run(replica, running: list, max_steps: int, context: int, until: float, token: int) -> int:

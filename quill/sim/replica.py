@@ -311,8 +311,10 @@ class Replica:
         returns the requests that ended."""
         if self.backlog:
             self._admit()
-        if self.config.fast_forward and fast_forward(self, until, SAMPLED_TOKEN):
-            return []
+        if self.config.fast_forward:
+            ended = fast_forward(self, until, SAMPLED_TOKEN)
+            if ended is not None:
+                return ended
         ex = self.executor
         before, polls = ex.num_steps, ex.num_polls
         out = self.core.step()
