@@ -136,3 +136,56 @@ def test_the_way_in_and_out_adds_to_ttft_and_e2e_only():
     assert out["ttft_ms"]["mean"] == pytest.approx(base["ttft_ms"]["mean"] + 9.0, rel=1e-12)
     assert out["e2e_ms"]["mean"] == pytest.approx(base["e2e_ms"]["mean"] + 9.0, rel=1e-12)
     assert out["itl_ms"] == base["itl_ms"]
+
+
+def test_a_preemption_and_a_chunk_beside_a_decode_by_hand():
+    """Blocks of 4 tokens, a pool of 5, a budget of 8, no prefix cache. A (6 prompt, 6 reply)
+    arrives at 0; B (6 prompt, 4 reply) during A's prefill.
+
+    1. A's prompt (6 tokens, 2 blocks).
+    2. A's decode at 6 beside B's whole prompt (2 blocks): 4 blocks in use.
+    3. both decode (A at 7, B at 6).
+    4. A at 8 takes the last free block; B at 7.
+    5. B at 8 needs a block and none is free: B, the latest admitted, is preempted (its 2
+       blocks freed, its 3 tokens kept); A decodes alone at 9, and nothing is admitted in the
+       step that preempted.
+    6. A at 10 (its 6th token: it ends) beside B's recompute, 7 of its 9 tokens (the budget
+       left), sampling nothing.
+    7. B's last 2 tokens (a 2-token chunk: prefill), sampling its 4th token: it ends.
+    Every step costs its price plus 1 ms and 0.2 ms a sequence."""
+    model = ModelSpec.abstract(1e9, 2)
+    config = SimConfig.create(model, TOY, max_num_seqs=4, max_num_batched_tokens=8,
+                              block_size=4, max_model_len=1024, enable_prefix_caching=False)  # fmt: skip
+    config = replace(config, num_blocks=5, step_gap=(0.001, 0.0002))
+    cost = CostModel(model, TOY)
+    shapes = [
+        [(0, 6, True, False)],
+        [(6, 1, True, True), (0, 6, True, False)],
+        [(7, 1, True, True), (6, 1, True, True)],
+        [(8, 1, True, True), (7, 1, True, True)],
+        [(9, 1, True, True)],
+        [(10, 1, True, True), (0, 7, False, False)],
+        [(7, 2, True, False)],
+    ]
+    ends, t = [], 0.0
+    for seqs in shapes:
+        t += cost.price(BatchShape.from_seqs(seqs)).predicted_s + 0.001 + 0.0002 * len(seqs)
+        ends.append(t)
+    e1, e2, e3, e4, e5, e6, e7 = ends
+    b_arrives = e1 / 2
+    items = [WorkItem("a", 0.0, prompt_tokens=6, output_tokens=6),
+             WorkItem("b", b_arrives, prompt_tokens=6, output_tokens=4)]  # fmt: skip
+    out = run_colocated(config, items)
+    results = out["results"]
+    assert results["num_preemptions"] == 1
+    assert out["replicas"][0]["steps"] == 7
+    ttft = [e1, e2 - b_arrives]
+    e2e = [e6, e7 - b_arrives]
+    # A's gaps, then B's: the last one spans its preemption and recompute.
+    itl = [e2 - e1, e3 - e2, e4 - e3, e5 - e4, e6 - e5, e3 - e2, e4 - e3, e7 - e4]
+    for key, values in (("ttft_ms", ttft), ("e2e_ms", e2e), ("itl_ms", itl)):
+        got = results[key]
+        assert got["count"] == len(values), key
+        assert got["mean"] == pytest.approx(np.mean(values) * 1000, rel=1e-9), key
+        assert got["max"] == pytest.approx(max(values) * 1000, rel=1e-9), key
+        assert got["p50"] == pytest.approx(np.percentile(values, 50) * 1000, rel=1e-9), key
