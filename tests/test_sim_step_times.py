@@ -154,8 +154,10 @@ def test_a_preemption_and_a_chunk_beside_a_decode_by_hand():
     7. B's last 2 tokens (a 2-token chunk: prefill), sampling its 4th token: it ends.
     Every step costs its price plus 1 ms and 0.2 ms a sequence."""
     model = ModelSpec.abstract(1e9, 2)
-    config = SimConfig.create(model, TOY, max_num_seqs=4, max_num_batched_tokens=8,
-                              block_size=4, max_model_len=1024, enable_prefix_caching=False)  # fmt: skip
+    config = SimConfig.create(
+        model, TOY, max_num_seqs=4, max_num_batched_tokens=8, block_size=4, max_model_len=1024,
+        enable_prefix_caching=False,
+    )
     config = replace(config, num_blocks=5, step_gap=(0.001, 0.0002))
     cost = CostModel(model, TOY)
     shapes = [
