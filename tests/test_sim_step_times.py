@@ -155,7 +155,12 @@ def test_a_preemption_and_a_chunk_beside_a_decode_by_hand():
     Every step costs its price plus 1 ms and 0.2 ms a sequence."""
     model = ModelSpec.abstract(1e9, 2)
     config = SimConfig.create(
-        model, TOY, max_num_seqs=4, max_num_batched_tokens=8, block_size=4, max_model_len=1024,
+        model,
+        TOY,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        block_size=4,
+        max_model_len=1024,
         enable_prefix_caching=False,
     )
     config = replace(config, num_blocks=5, step_gap=(0.001, 0.0002))
