@@ -173,6 +173,22 @@ class EngineCore:
         """Adds, aborts or releases sent in and not yet taken (the next step takes them)."""
         return bool(self._pending)
 
+    def take_pending_adds(self) -> bool:
+        """Move the queued adds into the scheduler's queue now, as the next step would before
+        anything else (the simulator's fast-forward does, so that adds queued while the batch
+        is full cost no step of their own); False, with nothing moved, while an abort or a
+        release is queued too (a step takes those)."""
+        with self._lock:
+            if any(kind != "add" for kind, _ in self._pending):
+                return False
+            adds = [request for _, request in self._pending]
+            self._pending.clear()
+            if self.admission is not None:
+                self._unsnapshotted += adds
+        for request in adds:
+            self.scheduler.add_request(request)
+        return True
+
     @property
     def num_unscheduled(self) -> int:
         """Requests waiting for their first step: queued adds plus the scheduler's waiting."""

@@ -14,7 +14,8 @@ blocks freed), and the core's next step admits what waits. A run also stops befo
 step starting at or after `until` (the next arrival or hand-over: arrivals win ties, as in the
 event loop), and before a step whose blocks the pool cannot give (the core's own step then
 preempts). It runs only where a step could do nothing else: no request that could be
-admitted (none waiting, or the batch full at max_num_seqs), fetching or queued in; no
+admitted (none waiting, or the batch full at max_num_seqs; adds queued in since the last step
+are moved to the waiting queue first, as the core's step would), none fetching; no
 speculative decoding, structured output, KV leases, step listener or windowed attention;
 every request plain (EOS ignored, no stop ids). A replica followed by a cache-aware router
 (KV-cache events on) gets each step's events stamped with that step's end
@@ -39,17 +40,20 @@ def steady_requests(replica) -> list | None:
     sched = core.scheduler
     kv = sched.kv
     running = sched.running
+    if replica.record or core.admission is not None:
+        return None
+    # Adds queued since the last step go to the waiting queue first, as the core's next step
+    # would take them.
+    if core.has_pending and not core.take_pending_adds():
+        return None
     # Requests waiting matter only where one could be admitted: not while the batch is full.
     if (replica.backlog or sched.waiting) and len(running) < sched.max_num_seqs:
         return None
     if (
-        replica.record
-        or core.has_pending
-        or sched.fetching
+        sched.fetching
         or sched.abandoned_fetches
         or sched.speculative is not None
         or core.structured is not None
-        or core.admission is not None
         or core.step_listeners
         or kv.leases
         or replica.executor.has_fetches
