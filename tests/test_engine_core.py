@@ -139,3 +139,21 @@ def test_plan_is_all_the_model_needs(tiny_dir, model_dir, tmp_path):
     assert all(s["num_tokens"] <= 16 and s["duration"] > 0 for s in steps)
     assert sum(s["num_tokens"] - s["num_decode_tokens"] for s in steps) == sum(map(len, prompts))
     assert sum(s["num_decode_tokens"] for s in steps) == (6 - 1) + (5 - 1) + (4 - 1)
+
+
+def test_queued_adds_are_taken_early_only_when_nothing_else_is_queued():
+    """`take_pending_adds` moves queued adds into the waiting queue as a step would first;
+    with an abort queued beside them it moves nothing (the step takes both, in order)."""
+    clock = VirtualClock()
+    core = EngineCore(Scheduler(KVCacheManager(16, 4), 8, 4, 64), _CountingExecutor(clock), clock)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    core.add_request(Request("a", [1, 2], params, 0.0, 3))
+    core.abort_request("a")
+    assert not core.take_pending_adds()
+    assert core.has_pending and core.scheduler.num_waiting == 0
+    assert [r.request_id for r in core.step().finished] == ["a"]  # added, then aborted
+    core.add_request(Request("b", [1, 2], params, 0.0, 3))
+    core.add_request(Request("c", [3, 4], params, 0.0, 3))
+    assert core.take_pending_adds()
+    assert not core.has_pending
+    assert [r.request_id for r in core.scheduler.waiting] == ["b", "c"]
