@@ -131,3 +131,36 @@ def test_a_lone_request_decodes_in_one_jump_at_its_prices():
                                                              rel=1e-12)  # fmt: skip
     assert out["replicas"][0]["steps"] == 100
     assert out["replicas"][0]["fast_forwarded_steps"] == 99
+
+
+def test_a_fill_whose_content_a_grow_evicts_keeps_the_schedulers_order():
+    """Blocks of 4 in a pool of 3. X's block [5, 5, 5, 5] is cached and free, next to be
+    evicted. In one step A fills a block of the same content and B grows into that free
+    block. The scheduler registers A's copy first (refused: the content is cached), then B's
+    growth evicts X's: the content is cached nowhere after the step. Taking the step's blocks
+    in one allocation first would let A's copy in: the fast-forward must see that and go in
+    the scheduler's order."""
+    from quill.contract.sampling_params import SamplingParams
+    from quill.engine.kv_cache import KVCacheManager
+    from quill.engine.request import Request
+    from quill.sim.fast_forward import FILL, GROW, _blocks
+    from quill.sim.replica import made_up_block_hash
+
+    kv = KVCacheManager(3, 4, True, (0,), made_up_block_hash)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    x = Request("x", [5, 5, 5, 5], params, 0.0, 8)
+    kv.allocate_slots(x, 4)
+    kv.cache_blocks(x, 4)
+    (content,) = x.block_hashes
+    kv.free("x")  # cached and free: the next block the pool hands out after the fresh ones
+    a = Request("a", [5, 5, 5], params, 0.0, 8)
+    a.output_token_ids = [5]  # its next step writes position 3: the block [5, 5, 5, 5]
+    b = Request("b", [7, 7, 7, 7], params, 0.0, 8)
+    b.output_token_ids = [9]  # its next step writes position 4: a second block
+    for r in (a, b):
+        kv.allocate_slots(r, len(r.prompt_token_ids))
+        r.num_computed_tokens = len(r.prompt_token_ids)
+    assert kv.pool.num_free_blocks == 1 and kv.pool.lookup(content) is not None
+    assert _blocks(kv, [a, b], [(0, FILL), (1, GROW)], 0)
+    assert kv.pool.lookup(content) is None  # evicted, and A's copy never registered
+    assert len(kv.block_table("b")) == 2 and kv.pool.num_free_blocks == 0

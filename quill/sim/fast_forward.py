@@ -167,24 +167,54 @@ def _run(replica, running: list, max_steps: int, context: int, until: float, tok
 
 
 def _blocks(kv, running: list, bucket: list[tuple[int, int]], step: int) -> bool:
-    """The step's block work, in the scheduler's order; False, with nothing done, if the pool
-    cannot give every block it needs (the core's step then does the same work and preempts;
-    its KV-cache events then come with that step)."""
-    bs = kv.block_size
+    """The step's block work, with the scheduler's effects; False, with nothing done, if the
+    pool cannot give every block it needs (the core's step then does the same work and
+    preempts; its KV-cache events then come with that step).
+
+    Each GROW needs one block per table (the events are exact: nothing else touches the
+    tables during a run). The scheduler takes them request by request, registering each
+    FILL's block between; here all of the step's blocks come in one allocation, in the same
+    order, and the FILLs follow in theirs. The pool ends the same unless a FILL's content is
+    already cached, in a free block a GROW could evict (then the order decides whether the
+    FILL's copy is registered): such a step goes request by request."""
     tables = kv.block_tables
+    pool = kv.pool
     grow = [running[i] for i, kind in bucket if kind == GROW]
-    needed = sum(
-        1 for r in grow if len(tables[r.request_id][0]) * bs < r.num_computed_tokens + step + 1
-    )
-    if needed > kv.pool.num_free_blocks:
-        return False
+    fill = [running[i] for i, kind in bucket if kind == FILL]
+    if grow:
+        groups = len(tables[grow[0].request_id])
+        if len(grow) * groups > pool.num_free_blocks:
+            return False
+        if fill and (groups > 1 or not _fills_are_new(kv, fill, step)):
+            return _blocks_in_order(kv, running, bucket, step)
+        blocks = iter(pool.allocate(len(grow) * groups))
+        for r in grow:
+            for table in tables[r.request_id]:
+                table.append(next(blocks))
+    for r in fill:
+        kv.cache_blocks(r, r.num_computed_tokens + step + 1)
+    return True
+
+
+def _fills_are_new(kv, fill: list, step: int) -> bool:
+    """No FILL's block content is in the prefix cache yet (its hashes, made here, are the
+    ones its registration uses)."""
+    size, lookup = kv.block_size, kv.pool.lookup
+    for r in fill:
+        full = (r.num_computed_tokens + step + 1) // size
+        if lookup(kv.block_hashes(r, full)[full - 1]) is not None:
+            return False
+    return True
+
+
+def _blocks_in_order(kv, running: list, bucket: list[tuple[int, int]], step: int) -> bool:
+    """The scheduler's order: each request's new block, then its FILL, one after another."""
     for i, kind in bucket:
         r = running[i]
         position = r.num_computed_tokens + step
         if kind == GROW:
-            if len(tables[r.request_id][0]) * bs < position + 1:
-                if not kv.allocate_slots(r, position + 1):
-                    raise RuntimeError("fast-forward: a block counted free could not be had")
+            if not kv.allocate_slots(r, position + 1):
+                raise RuntimeError("fast-forward: a block counted free could not be had")
         else:
             kv.cache_blocks(r, position + 1)
     return True
