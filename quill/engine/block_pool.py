@@ -59,13 +59,15 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(free)} free")
         pop, ref_counts, hashes = free.popitem, self.ref_counts, self.block_hashes
         blocks = []
+        evicted = 0
         for _ in range(n):  # a plain loop: most calls take one block (a decode's next)
             b = pop(False)[0]
             blocks.append(b)
             ref_counts[b] = 1
             if hashes[b] is not None:
                 self._uncache(b)
-                self.num_evictions += 1
+                evicted += 1
+        self.num_evictions += evicted
         return blocks
 
     def take(self, blocks: list[int]) -> None:

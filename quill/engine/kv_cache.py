@@ -135,19 +135,17 @@ class KVCacheManager:
         as its tokens grow)."""
         hashes = request.block_hashes
         if len(hashes) < num_blocks:
-            size, hash_of = self.block_size, self.hash_block
+            size, hash_of, append = self.block_size, self.hash_block, hashes.append
             prompt = request.prompt_token_ids
             parent = hashes[-1] if hashes else chain_root(request.cache_salt)
-            n_prompt = len(prompt)
-            for end in range((len(hashes) + 1) * size, (num_blocks + 1) * size, size):
-                if end <= n_prompt:
-                    tokens = prompt[end - size : end]
-                elif end - size >= n_prompt:
-                    tokens = request.output_token_ids[end - size - n_prompt : end - n_prompt]
-                else:
-                    tokens = request.token_ids_slice(end - size, end)
-                parent = hash_of(parent, tokens)
-                hashes.append(parent)
+            first, stop = len(hashes) * size, num_blocks * size
+            prompt_end = min(stop, len(prompt) // size * size)  # its full blocks of prompt alone
+            for begin in range(first, prompt_end, size):  # most blocks: a slice of the prompt
+                parent = hash_of(parent, prompt[begin : begin + size])
+                append(parent)
+            for begin in range(max(first, prompt_end), stop, size):
+                parent = hash_of(parent, request.token_ids_slice(begin, begin + size))
+                append(parent)
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[list[int]]:

@@ -40,7 +40,7 @@ def made_up_block_hash(parent: bytes | int, token_ids) -> int:
     likely). `parent` is a chain's root (b"": the simulator salts no request) or the block
     before's hash. Python hashes ints without a per-process salt, so a run repeats exactly;
     it hashes -1 as -2, so PromptTokens never makes -1."""
-    return hash((parent or 0, *token_ids))
+    return hash((parent or 0, tuple(token_ids)))
 
 
 class PromptTokens:
