@@ -272,6 +272,9 @@ def _moved(request: Request, target: Replica, out: int, block_size: int) -> Requ
         num_preemptions=request.num_preemptions,
         remote_kv=remote,
         kv_transferred=True,
+        # Its blocks' hashes, as the prefill replica made them (one hasher for the whole run:
+        # the decode replica would make the same ones again).
+        block_hashes=list(request.block_hashes),
         times=RequestTimes(
             times.arrival,
             first_scheduled=times.first_scheduled,
