@@ -103,10 +103,7 @@ class BatchShape:
                     sampled += 1 + len(drafts) if drafts else 1
             else:
                 sampled += logits_rows(s)
-            if drafts is None and n == 1:  # is_decode unless it (re)computes its prompt
-                if s.is_decode:
-                    decode += 1
-            elif s.is_decode:
+            if s.is_decode:
                 decode += n
             pairs += n * start + (n * (n + 1) >> 1)
             read += start + n
