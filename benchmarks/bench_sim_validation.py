@@ -35,7 +35,6 @@ from real_shapes import write_shape  # noqa: E402
 from quill.config import cache_dir  # noqa: E402
 from quill.cost.calibrate import cpu_info  # noqa: E402
 from quill.cost.hardware import HardwareSpec  # noqa: E402
-from quill.sim.cluster import run_colocated  # noqa: E402
 from quill.sim.speculation import SpecChances  # noqa: E402
 
 # name -> bench_sim_vs_server flags. "1b" ones use Llama-3.2-1B's shape (model made at start).
@@ -120,7 +119,8 @@ def resimulate(result: dict) -> dict:
     for row in result["runs"]:
         items = bench_sim_vs_server.workload_of(settings, row["rate"], settings["seed"])
         sims = bench_sim_vs_server.variants(config)
-        simulated = {n: run_colocated(c, items)["results"] for n, c in sims.items()}
+        seeds = settings.get("sim_seeds", bench_sim_vs_server.SIM_SEEDS)
+        simulated = {n: bench_sim_vs_server.simulate(c, items, seeds) for n, c in sims.items()}
         row["simulated"] = simulated
         row["compare"] = bench_sim_vs_server.compare(row["server"], simulated)
     return result
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = errors_of(json.loads(path.read_text()))
 
     summary = {"sim": table(results)}
-    for variant in ("sim-one-jitter", "sim-jitter-off"):
+    for variant in ("sim-independent", "sim-one-jitter", "sim-jitter-off"):
         others = {n: errors_of(json.loads((out / f"{n}.json").read_text()), variant)
                   for n in results}  # fmt: skip
         others = {n: e for n, e in others.items() if e}

@@ -27,6 +27,11 @@ and how much slower its steps were than the fitted steps against the same model 
 machine's speed moving between the fit and the run: benchmarks/probe_machine_speed.py).
 benchmarks/bench_sim_validation.py runs it over the held-out configurations.
 
+The simulator's figure is the mean over `--sim-seeds` runs of the same arrivals with other
+seeds of its draws (the step jitter, drafts): with a few dozen requests a p99 is nearly the
+slowest request, and one seeded run of the simulator scatters as much as one real run does.
+The seeds' own spread is kept beside it (`seed_spread`).
+
 Rates: the simulator's saturated throughput (every request at once) sets the top one; the other
 two are fractions of it (`--fractions`, default 0.3, 0.6, 0.9: exactly at saturation a queue
 grows without bound in both, and any error in the service rate is multiplied many times).
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import math
 import random
@@ -108,8 +114,11 @@ class Server:
 
 def variants(config: SimConfig) -> dict[str, SimConfig]:
     """The simulator as configured ("sim": each kind of step drawing from its own measured
-    ratios), with every step drawing from all steps' ratios, and without draws."""
+    ratios, with the measured memory), with independent draws, with every step drawing from
+    all steps' ratios, and without draws."""
     out = {"sim": config}
+    if config.step_memory is not None:
+        out["sim-independent"] = replace(config, step_memory=None)
     if config.step_jitter_by_kind:
         out["sim-one-jitter"] = replace(config, step_jitter_by_kind=None)
     if config.step_jitter is not None or config.step_jitter_by_kind:
@@ -246,6 +255,34 @@ def measured_run(url: str, model_name: str, items, make_prompt) -> dict:
 METRICS = [(m, q) for m in ("ttft_ms", "itl_ms", "e2e_ms") for q in ("p50", "p90", "p99")]
 
 
+SIM_SEEDS = 32
+AVERAGED = ("num_preemptions", "prefix_cache_hit_rate", "spec_acceptance_rate",
+            "output_throughput")  # fmt: skip
+
+
+def simulate(config: SimConfig, items: list, seeds: int = SIM_SEEDS) -> dict:
+    """The simulator's figures on `items`: each the mean over `seeds` runs, the seeds
+    config.seed, +1, ...; the first run's report otherwise, and each scored figure's spread
+    over the seeds (standard deviation / mean) under `seed_spread`."""
+    runs = [run_colocated(replace(config, seed=config.seed + k), items)["results"]
+            for k in range(seeds)]  # fmt: skip
+    out = dict(runs[0], seeds=seeds, seed_spread={})
+    for metric, q in [*METRICS, ("tok/s", None)]:
+        values = [figure(r, metric, q) for r in runs]
+        if any(v is None for v in values):
+            continue
+        mean = statistics.fmean(values)
+        if q is not None:
+            out[metric] = {**out[metric], q: mean}
+        key = metric if q is None else f"{metric[:-3]}_{q}"
+        out["seed_spread"][key] = statistics.pstdev(values) / mean if mean else None
+    for key in AVERAGED:
+        values = [r.get(key) for r in runs]
+        if values and all(isinstance(v, int | float) for v in values):
+            out[key] = statistics.fmean(values)
+    return out
+
+
 def figure(summary: dict, metric: str, q: str | None) -> float | None:
     return summary["output_throughput"] if metric == "tok/s" else summary[metric][q]
 
@@ -299,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2, help="real runs per rate (their spread)")
+    p.add_argument(
+        "--sim-seeds",
+        type=int,
+        default=SIM_SEEDS,
+        help="simulated runs per rate, of other seeds: their mean is the figure",
+    )
     p.add_argument(
         "--front-latency",
         action=argparse.BooleanOptionalAction,
@@ -419,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 reals.append(measured_run(server.url, model_name, items, make_prompt))
                 checks.append(held_out_steps(config.cost, steps_file, seen))
             speeds = run_speeds(checks, fit_check)
-            simulated = {n: run_colocated(c, items)["results"] for n, c in sims.items()}
+            simulated = {n: simulate(c, items, args.sim_seeds) for n, c in sims.items()}
             row = {"rate": rate, "server": reals, "simulated": simulated,
                    "compare": compare(reals, simulated), "steps": checks[-1],
                    "steps_by_run": checks, "run_speeds": speeds}  # fmt: skip
@@ -477,6 +520,11 @@ def main(argv: list[str] | None = None) -> int:
             "worst_error": verdict,
             "summary": summary,
         }
+        # Every step the server recorded (warm-up, the refit's from `num_warm` on, then the
+        # runs'), kept so that a later model of the steps can be fitted on the same ones.
+        record = Path(f"{args.json}.steps.jsonl.gz")
+        record.write_bytes(gzip.compress(steps_file.read_bytes(), mtime=0))
+        result["steps_record"] = {"file": record.name, "refit_from_line": num_warm}
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return 0
 

@@ -17,14 +17,15 @@ from quill.sim.workload import LengthSpec, synthetic
 from tests.test_sim import TOY
 
 
-def _config(**kwargs) -> SimConfig:
+def _config(memory=(0.6, 0.05), **kwargs) -> SimConfig:
+    """Jittered steps; `memory`: the draws' (shared, seconds), None for independent draws."""
     model = ModelSpec.preset("SmolLM2-135M", 2)
     hardware = HardwareSpec(**{**TOY.to_dict(), "interconnect_bandwidth": 10e9})
     config = SimConfig.create(model, hardware, max_model_len=4096, **kwargs)
     ratios = tuple(0.8 + 0.6 * (i / 100) ** 3 for i in range(101))  # a long right tail
     decodes = tuple(0.9 + 0.3 * (i / 100) ** 4 for i in range(101))  # decode steps' own
     return replace(config, step_jitter=ratios, step_jitter_by_kind={"decode": decodes},
-                   step_gap=(0.0004, 0.00003), seed=7)  # fmt: skip
+                   step_memory=memory, step_gap=(0.0004, 0.00003), seed=7)  # fmt: skip
 
 
 def _workload(n=300, rate=40.0, prefix=0):
@@ -85,8 +86,9 @@ def test_colocated_with_preemptions_and_prefixes(rate, blocks, prefix):
 
 @pytest.mark.parametrize("router", ["least-work", "round-robin", "least-load"])
 def test_replicas_behind_a_router(router):
-    fast, slow = _both(run_colocated, _config(max_num_seqs=32), _workload(rate=80.0), 3, None,
-                       router)  # fmt: skip
+    # Independent draws here (each other test's draws remember the level of the one before).
+    config = _config(memory=None, max_num_seqs=32)
+    fast, slow = _both(run_colocated, config, _workload(rate=80.0), 3, None, router)
     _same(fast, slow)
     assert sum(r["fast_forwarded_steps"] for r in fast["replicas"]) > 0
 

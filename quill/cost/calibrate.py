@@ -419,6 +419,10 @@ def _refit(args: argparse.Namespace) -> int:
         spec.calibration["step_gap"] = gaps
         print(f"between steps: {gaps['base_s'] * 1e3:.2f} ms + {gaps['per_seq_s'] * 1e6:.0f} us "
               f"per sequence ({gaps['steps']} back-to-back steps)")  # fmt: skip
+    memory = spec.calibration.get("step_time_memory")
+    if memory is not None:
+        print(f"slow steps come in patches: {memory['shared']:.0%} of a step's stray is a level "
+              f"lasting ~{memory['seconds']:.2g} s ({memory['steps']} timed steps)")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     spec.save(args.out)
     print(f"fitted on {len(steps)} recorded steps of {args.from_steps}:")

@@ -6,6 +6,7 @@ the sweep of `quill cost calibrate` (calibrate.py) measures an engine alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +46,54 @@ def step_time_ratios_by_kind(
     return out
 
 
+MEMORY_LAGS = 40  # steps apart: the pairs the memory is fitted on
+MIN_MEMORY_STEPS = 100
+
+
+def step_time_memory(steps: list[MeasuredStep], predicted: list[float]) -> dict | None:
+    """How long a step's stray from the model's price lasts: slow steps come in patches (a
+    shared host's speed moves for seconds at a time; recorded steps' ratios correlate 0.7-0.8
+    with the next step's and still ~0.3 thirty steps on), and a patch is what stretches one
+    request's whole reply, where independent draws average out over its steps.
+
+    Each step's ratio becomes a normal score within its kind (the rank among its kind's
+    ratios: the simulator draws each kind's ratios at a shared quantile), and the
+    correlation of two steps' scores Δt seconds apart is fitted as shared * exp(-Δt / seconds):
+    a part `shared` of each step's score is a slowly wandering level, the rest its own. None
+    where the steps carry no start times or too few of them, or the fit finds no memory."""
+    from statistics import NormalDist
+
+    import numpy as np
+
+    timed = [(s, p) for s, p in zip(steps, predicted) if p > 0 and s.start is not None]
+    if len(timed) < MIN_MEMORY_STEPS:
+        return None
+    ratios = np.array([s.duration / p for s, p in timed])
+    starts = np.array([s.start for s, _ in timed])
+    scores = np.zeros(len(timed))
+    normal = NormalDist()
+    for kind in {s.kind for s, _ in timed}:
+        mine = np.array([i for i, (s, _) in enumerate(timed) if s.kind == kind])
+        ranks = np.argsort(np.argsort(ratios[mine], kind="stable"), kind="stable")
+        scores[mine] = [normal.inv_cdf((r + 0.5) / len(mine)) for r in ranks]
+    scores -= scores.mean()
+    scores /= scores.std() or 1.0
+    lags = range(1, min(MEMORY_LAGS, len(timed) // 4) + 1)
+    corr = np.array([np.mean(scores[:-k] * scores[k:]) for k in lags])
+    apart = np.array([np.mean(starts[k:] - starts[:-k]) for k in lags])
+    best = None
+    for seconds in np.geomspace(1e-3, 1e3, 241):
+        decay = np.exp(-apart / seconds)
+        shared = float(np.clip(np.dot(corr, decay) / np.dot(decay, decay), 0.0, 0.99))
+        error = float(np.sum((corr - shared * decay) ** 2))
+        if best is None or error < best[0]:
+            best = (error, shared, float(seconds))
+    _, shared, seconds = best
+    if shared * math.exp(-apart[0] / seconds) < 0.05:  # not even the next step remembers
+        return None
+    return {"shared": round(shared, 4), "seconds": round(seconds, 4), "steps": len(timed)}
+
+
 def refit_spec(base: HardwareSpec, model: ModelSpec, steps: list[MeasuredStep]) -> HardwareSpec:
     """`base` with its coefficients fitted again on other steps (its rates kept)."""
     roofline = replace(base, calibration=None, step_overhead_s=0.0)
@@ -64,6 +113,7 @@ def refit_spec(base: HardwareSpec, model: ModelSpec, steps: list[MeasuredStep]) 
         fit_error=fit.error_summary_by_kind(steps, predicted),
         step_time_ratios=step_time_ratios(steps, predicted),
         step_time_ratios_by_kind=step_time_ratios_by_kind(steps, predicted),
+        step_time_memory=step_time_memory(steps, predicted),
         date=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     return replace(base, calibration=calibration)
@@ -93,7 +143,11 @@ def recorded_steps(path: str | Path, skip: int = 0) -> list[MeasuredStep]:
         seqs = [tuple(x) for x in record["seqs"]]
         decodes = sum(1 for x in seqs if x[3])
         kind = "decode" if decodes == len(seqs) else "mixed" if decodes else "prefill"
-        steps.append(MeasuredStep(f"step {record['step']}", kind, record["duration"], seqs))
+        steps.append(
+            MeasuredStep(
+                f"step {record['step']}", kind, record["duration"], seqs, record.get("start")
+            )
+        )
     return steps
 
 

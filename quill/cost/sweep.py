@@ -83,6 +83,7 @@ class MeasuredStep:
     kind: str
     duration: float
     seqs: list[tuple[int, int, bool, bool]]
+    start: float | None = None  # when it began (a recorded step's clock), where known
 
     def to_dict(self) -> dict:
         return {

@@ -142,6 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine's scatter): the spread that makes tails (default: on, where the file has them)",
     )
     sched_jitter.add_argument(
+        "--step-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draw each step's ratio with the memory the calibration measured (slow steps "
+        "come in patches lasting about its `seconds`, as on a shared host), not "
+        "independently (default: on, where the file has it)",
+    )
+    sched_jitter.add_argument(
         "--fast-forward",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -327,6 +335,8 @@ def _setup(args: argparse.Namespace):
     config = replace(
         config, front_latency_s=args.front_latency / 1000, fast_forward=args.fast_forward
     )
+    if not args.step_memory:
+        config = replace(config, step_memory=None)
     if args.speculative_config is not None:
         chances = SpecChances(args.spec_proposal_rate, args.spec_draft_length, args.spec_acceptance)
         spec = SpeculativeConfig.parse(args.speculative_config)

@@ -47,6 +47,9 @@ class SimConfig:
     # The same per kind of step ("decode", "prefill", "mixed"), where measured apart; a step
     # of a kind not here draws from step_jitter.
     step_jitter_by_kind: dict[str, tuple[float, ...]] | None = None
+    # How long a stray lasts: (shared, seconds), the calibration's `step_time_memory`
+    # (quill/cost/refit.py); None: each step's draw independent of the one before.
+    step_memory: tuple[float, float] | None = None
     seed: int = 0  # of the jitter's draws (each replica its own stream)
     # The host's time between back-to-back steps: (base seconds, seconds per sequence of the
     # step), measured by a serving calibration (`calibrate --from-steps`); (0, 0) without.
@@ -132,6 +135,7 @@ class SimConfig:
             fetch_shares_cores=fetch_shares_cores,
             step_jitter=step_ratios(hardware) if step_jitter else None,
             step_jitter_by_kind=step_ratios_by_kind(hardware) if step_jitter else None,
+            step_memory=step_memory(hardware) if step_jitter else None,
             seed=seed,
             step_gap=step_gap(hardware),
         )
@@ -171,6 +175,7 @@ class SimConfig:
             "kv_cache_tokens": self.kv_tokens,
             "step_jitter": self.step_jitter is not None,
             "step_jitter_kinds": sorted(self.step_jitter_by_kind or ()),
+            "step_memory": None if self.step_memory is None else list(self.step_memory),
             "step_gap_s": list(self.step_gap),
             "front_latency_s": self.front_latency_s,
             "speculative": None
@@ -190,6 +195,12 @@ def step_ratios_by_kind(hardware: HardwareSpec) -> dict[str, tuple[float, ...]] 
     by_kind = (hardware.calibration or {}).get("step_time_ratios_by_kind") or {}
     out = {k: tuple(v) for k, v in by_kind.items() if v and len(v) == 101}
     return out or None
+
+
+def step_memory(hardware: HardwareSpec) -> tuple[float, float] | None:
+    """The calibration's step-time memory (shared, seconds), if it measured one."""
+    memory = (hardware.calibration or {}).get("step_time_memory")
+    return (float(memory["shared"]), float(memory["seconds"])) if memory else None
 
 
 def step_gap(hardware: HardwareSpec) -> tuple[float, float]:

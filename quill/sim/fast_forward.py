@@ -125,7 +125,7 @@ def _run(replica, running: list, max_steps: int, context: int, until: float, tok
                 events.setdefault(j, []).append((i, FILL))
     ex = replica.executor
     price = ex.cost.price
-    jitter = None if ex.jitter is None else ex.jitter.for_kind("decode")
+    jitter = ex.jitter
     b = len(running)
     gap = ex.gap_base + ex.gap_per_seq * b
     for r in running:  # the tokens the steps will sample, there for the prefix cache's hashes
@@ -142,7 +142,7 @@ def _run(replica, running: list, max_steps: int, context: int, until: float, tok
         pairs = context + b * (done + 1)
         seconds = price(BatchShape(b, b, b, 0, b, pairs, pairs, b)).predicted_s
         if jitter is not None:
-            seconds *= jitter.draw()
+            seconds *= jitter.draw("decode", t)
         seconds += gap
         ex.busy_s += seconds
         t += seconds

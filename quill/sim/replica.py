@@ -131,9 +131,7 @@ class SimExecutor:
             shape = self.cost.model.shape_of(plan)
             seconds = self.cost.price(shape).predicted_s
             if self.jitter is not None:
-                draws = self.jitter.for_kind(kind_of(shape))
-                if draws is not None:
-                    seconds *= draws.draw()
+                seconds *= self.jitter.draw(kind_of(shape), self.clock.t)
             seconds += self.gap_base + self.gap_per_seq * len(plan.seqs)
             self.num_steps += 1
             self.busy_s += seconds
@@ -213,7 +211,10 @@ class Replica:
         jitter = None
         if config.step_jitter is not None or config.step_jitter_by_kind:
             jitter = StepJitters(
-                config.step_jitter, config.step_jitter_by_kind, f"{config.seed}:{name}"
+                config.step_jitter,
+                config.step_jitter_by_kind,
+                f"{config.seed}:{name}",
+                config.step_memory,
             )
         spec = config.speculative
         drafts = None
