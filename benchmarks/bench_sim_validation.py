@@ -35,6 +35,7 @@ from real_shapes import write_shape  # noqa: E402
 from quill.config import cache_dir  # noqa: E402
 from quill.cost.calibrate import cpu_info  # noqa: E402
 from quill.cost.hardware import HardwareSpec  # noqa: E402
+from quill.sim.config import step_ratios_by_kind  # noqa: E402
 from quill.sim.speculation import SpecChances  # noqa: E402
 
 # name -> bench_sim_vs_server flags. "1b" ones use Llama-3.2-1B's shape (model made at start).
@@ -110,15 +111,16 @@ def resimulate(result: dict) -> dict:
     arrivals and the same serving refit: a change to the simulator judged without new runs."""
     settings = result["settings"]
     chances = result.get("spec_chances")
+    hardware = HardwareSpec.from_dict(result["simulated_with"])
     config = bench_sim_vs_server.sim_config(
         settings,
-        HardwareSpec.from_dict(result["simulated_with"]),
+        hardware,
         result["front_latency_s"],
         None if chances is None else SpecChances(**chances),
     )
     for row in result["runs"]:
         items = bench_sim_vs_server.workload_of(settings, row["rate"], settings["seed"])
-        sims = bench_sim_vs_server.variants(config)
+        sims = bench_sim_vs_server.variants(config, step_ratios_by_kind(hardware))
         seeds = settings.get("sim_seeds", bench_sim_vs_server.SIM_SEEDS)
         simulated = {n: bench_sim_vs_server.simulate(c, items, seeds) for n, c in sims.items()}
         row["simulated"] = simulated
@@ -126,16 +128,20 @@ def resimulate(result: dict) -> dict:
     return result
 
 
-def table(results: dict[str, dict]) -> dict:
-    """Print each configuration's errors (the real runs' spread in brackets) and their
-    medians; returns the medians with the targets."""
-    print(f"\n{'configuration':24}" + "".join(f"{k:>16}" for k in SCORED))
-    for name, errs in results.items():
-        cells = "".join(
-            f"{errs[k]['error']:+8.1%} ({errs[k]['spread']:4.0%})" if k in errs else f"{'-':>16}"
-            for k in SCORED
-        )
-        print(f"{name:24}{cells}")
+STEADY = 0.05  # a run "held the fit's speed" when its steps took within 5% of the fit's
+
+
+def steady(result: dict) -> bool:
+    """Whether both real runs' steps took within STEADY of the fitted steps' time against the
+    same model (`run_speeds`): the machine held its speed from the fit to the runs, so what is
+    left of the error is the simulator's (this VM's speed states move it by up to 1.4x)."""
+    speeds = result["runs"][0].get("run_speeds")
+    return bool(speeds) and all(abs(s - 1) <= STEADY for s in speeds)
+
+
+def medians(results: dict[str, dict]) -> dict:
+    """Per scored figure: the median |error| over the configurations, with the target and
+    the worst error beyond the real runs' spread."""
     summary = {}
     for key in SCORED:
         errs = [abs(r[key]["error"]) for r in results.values() if key in r]
@@ -144,11 +150,50 @@ def table(results: dict[str, dict]) -> dict:
             summary[key] = {"median_abs_error": statistics.median(errs),
                             "target": TARGETS[key],
                             "worst_beyond_spread": max(beyond)}  # fmt: skip
-    print(f"{'median |error|':24}" + "".join(
-        f"{summary[k]['median_abs_error']:16.1%}" if k in summary else f"{'-':>16}"
-        for k in SCORED))  # fmt: skip
-    print(f"{'target':24}" + "".join(f"{TARGETS[k]:16.0%}" for k in SCORED))
     return summary
+
+
+def table(results: dict[str, dict], held: set[str] = frozenset()) -> dict:
+    """Print each configuration's errors (the real runs' spread in brackets; * where the runs
+    held the fit's speed) and their medians, over all and over the `held` ones; returns the
+    medians with the targets (the held ones' under "steady")."""
+    print(f"\n{'configuration':32}" + "".join(f"{k:>16}" for k in SCORED))
+    for name, errs in results.items():
+        cells = "".join(
+            f"{errs[k]['error']:+8.1%} ({errs[k]['spread']:4.0%})" if k in errs else f"{'-':>16}"
+            for k in SCORED
+        )
+        print(f"{name + (' *' if name in held else ''):32}{cells}")
+    summary = medians(results)
+    kept = {n: r for n, r in results.items() if n in held}
+    lines = [("median |error|", summary)]
+    if kept:
+        summary["steady"] = {"configurations": sorted(kept), **medians(kept)}
+        lines.append((f"median, * ({len(kept)})", summary["steady"]))
+    for label, figures in lines:
+        print(f"{label:32}" + "".join(
+            f"{figures[k]['median_abs_error']:16.1%}" if k in figures else f"{'-':>16}"
+            for k in SCORED))  # fmt: skip
+    print(f"{'target':32}" + "".join(f"{TARGETS[k]:16.0%}" for k in SCORED))
+    return summary
+
+
+VARIANTS = ("sim", "sim-independent", "sim-by-kind", "sim-jitter-off")
+
+
+def pooled(folders: list[Path]) -> int:
+    """Each variant's table over every saved result of `folders` (as each was last simulated):
+    two validation runs of the same configurations on other days pool their evidence."""
+    results = {f"{folder.name}/{path.stem}": json.loads(path.read_text())
+               for folder in folders for name in CONFIGS
+               if (path := folder / f"{name}.json").exists()}  # fmt: skip
+    held = {n for n, r in results.items() if steady(r)}
+    for variant in VARIANTS:
+        errors = {n: e for n, r in results.items() if (e := errors_of(r, variant))}
+        if errors:
+            print(f"\n{variant}:")
+            table(errors, held)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,7 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         help="no server: simulate the saved results' workloads again (the simulator as it is "
         "now, each variant) against their real runs",
     )
+    p.add_argument(
+        "--pool",
+        metavar="FOLDERS",
+        help="no server, no simulation: the medians over the saved results of these folders "
+        "(comma-separated) together, each configuration of each folder one entry",
+    )
     args = p.parse_args(argv)
+    if args.pool:
+        return pooled([Path(f) for f in args.pool.split(",")])
     # A SIGTERM unwinds like Ctrl-C, so that the running configuration's server is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = Path(args.out)
@@ -189,19 +242,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {time.monotonic() - started:.0f} s", flush=True)
     # Every configuration with a result in the folder (those not run now: from earlier runs,
     # each self-contained: its own server, refit and real runs).
+    held = set()
     for name in CONFIGS:
         path = out / f"{name}.json"
         if path.exists():
-            results[name] = errors_of(json.loads(path.read_text()))
+            result = json.loads(path.read_text())
+            results[name] = errors_of(result)
+            if steady(result):
+                held.add(name)
 
-    summary = {"sim": table(results)}
-    for variant in ("sim-independent", "sim-one-jitter", "sim-jitter-off"):
+    summary = {"sim": table(results, held)}
+    for variant in VARIANTS[1:]:
         others = {n: errors_of(json.loads((out / f"{n}.json").read_text()), variant)
                   for n in results}  # fmt: skip
         others = {n: e for n, e in others.items() if e}
         if others:
             print(f"\n{variant}:")
-            summary[variant] = table(others)
+            summary[variant] = table(others, held)
     (out / "summary.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv),

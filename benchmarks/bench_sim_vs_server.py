@@ -69,7 +69,7 @@ from quill.cost.refit import recorded_steps, refit_spec, step_gaps
 from quill.cost.step import CostModel
 from quill.engine.record import read_steps
 from quill.sim.cluster import run_colocated
-from quill.sim.config import SimConfig
+from quill.sim.config import SimConfig, step_ratios_by_kind
 from quill.sim.speculation import SpecChances
 from quill.sim.workload import LengthSpec, synthetic
 
@@ -112,15 +112,15 @@ class Server:
             self.proc.kill()
 
 
-def variants(config: SimConfig) -> dict[str, SimConfig]:
-    """The simulator as configured ("sim": each kind of step drawing from its own measured
-    ratios, with the measured memory), with independent draws, with every step drawing from
-    all steps' ratios, and without draws."""
+def variants(config: SimConfig, by_kind: dict | None = None) -> dict[str, SimConfig]:
+    """The simulator as configured ("sim": draws from all steps' ratios, with the measured
+    memory), with independent draws, with each kind of step drawing from its own ratios
+    (`by_kind`, the calibration's), and without draws."""
     out = {"sim": config}
     if config.step_memory is not None:
         out["sim-independent"] = replace(config, step_memory=None)
-    if config.step_jitter_by_kind:
-        out["sim-one-jitter"] = replace(config, step_jitter_by_kind=None)
+    if by_kind:
+        out["sim-by-kind"] = replace(config, step_jitter_by_kind=by_kind)
     if config.step_jitter is not None or config.step_jitter_by_kind:
         out["sim-jitter-off"] = replace(config, step_jitter=None, step_jitter_by_kind=None)
     return out
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         top = saturation(config)
         rates = [top * float(f) for f in args.fractions.split(",")]
         print(f"simulated saturation {top:.3f} req/s; rates {', '.join(f'{r:.3f}' for r in rates)}")
-        sims = variants(config)
+        sims = variants(config, step_ratios_by_kind(hardware))
         for rate in rates:
             items = workload(rate)
             reals, checks = [], []

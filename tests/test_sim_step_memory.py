@@ -130,6 +130,7 @@ def test_quill_simulate_draws_with_the_files_memory_unless_told_not_to(tmp_path,
         **dict(s_per_linear_flop=2e-15, s_per_attention_flop=2e-15, s_per_kv_byte=1 / 3e12),
         "step_time_ratios": list(UNIFORM),
         "step_time_memory": {"shared": 0.8, "seconds": 5.0, "steps": 900},
+        "step_time_ratios_by_kind": {"decode": [2 * r for r in UNIFORM]},
     }
     path = tmp_path / "served.json"
     path.write_text(json.dumps(spec))
@@ -143,6 +144,13 @@ def test_quill_simulate_draws_with_the_files_memory_unless_told_not_to(tmp_path,
     assert reports["--no-step-memory"]["settings"]["scheduler"]["step_memory"] is None
     with_memory, without = (reports[f]["results"]["e2e_ms"] for f in reports)
     assert with_memory["p90"] - with_memory["p50"] > 2 * (without["p90"] - without["p50"])
+    # All steps' ratios unless each kind's are asked for: the decodes' own are twice as slow.
+    assert reports["--step-memory"]["settings"]["scheduler"]["step_jitter_kinds"] == []
+    assert main([*args, "--step-jitter-by-kind"]) == 0
+    by_kind = json.loads(capsys.readouterr().out)
+    assert by_kind["settings"]["scheduler"]["step_jitter_kinds"] == ["decode"]
+    all_steps = reports["--step-memory"]["results"]["itl_ms"]["p50"]
+    assert by_kind["results"]["itl_ms"]["p50"] > 1.5 * all_steps
 
 
 def test_the_serving_refit_measures_the_memory_and_says_so(tmp_path, model_dir, capsys):

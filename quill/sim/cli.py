@@ -142,6 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine's scatter): the spread that makes tails (default: on, where the file has them)",
     )
     sched_jitter.add_argument(
+        "--step-jitter-by-kind",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="draw each kind of step (decode, prefill, mixed) from its own measured ratios "
+        "where the file has them, not all steps' (default: off)",
+    )
+    sched_jitter.add_argument(
         "--step-memory",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -328,6 +335,7 @@ def _setup(args: argparse.Namespace):
         context_len=model_context_len(args.model, model),
         enable_prefix_caching=args.enable_prefix_caching,
         step_jitter=args.step_jitter,
+        jitter_by_kind=args.step_jitter_by_kind,
         seed=args.seed,
     )
     if args.front_latency < 0:

@@ -9,8 +9,8 @@ what a p99 inter-token gap is made of, and what a queue multiplies into a p99 TT
 calibration (`quill cost calibrate --from-steps`, steps the server recorded under load) holds
 the scatter of a serving engine. Each replica draws from its own seeded generator, so a run
 is repeatable. Where the calibration measured each kind of step (decode, prefill, mixed)
-apart, a step draws from its kind's ratios: their medians carry what the one step model leaves
-of each kind's bias.
+apart and the simulation asks for it (`--step-jitter-by-kind`), a step draws from its kind's
+ratios: their medians carry what the one step model leaves of each kind's bias.
 
 Where it measured how long a stray lasts (`step_time_memory`, quill/cost/refit.py), the draws
 remember: each step's quantile comes from a normal score whose `shared` part is a level
