@@ -278,25 +278,35 @@ def test_calibrated_prediction_is_the_additive_formula(tiny_calibration):
         assert priced.predicted_s > 0
 
 
+# The coefficients a recorded serving stream is timed by (tests of `--from-steps`).
+REFIT_TRUTH = {
+    "overhead_s": 0.02,
+    "per_seq_s": 0.001,
+    "s_per_weight_byte": 0.0,
+    "s_per_linear_flop": 1 / 50e9,
+    "s_per_attention_flop": 1 / 20e9,
+    "s_per_kv_byte": 1 / 4e9,
+}
+
+
+def _timed_base(tmp_path, model_dir) -> CostModel:
+    """A tiny model in `tmp_path` and its base calibration (`base.json`, REFIT_TRUTH): the cost
+    model that times the steps a test records."""
+    write_tiny_config(tmp_path, model_dir)
+    info = {"model_path": str(tmp_path), "dtype": "float32"}
+    base = HardwareSpec("cpu", {"float32": 1e11}, 1e10, 8e9, calibration={**REFIT_TRUTH, **info})
+    base.save(tmp_path / "base.json")
+    model = ModelSpec.from_path(tmp_path, bytes_per_param=4)
+    model.dtype = "float32"
+    return CostModel(model, base)
+
+
 def test_refit_on_recorded_steps_recovers_the_coefficients(tmp_path, model_dir):
     """`--from-steps`: a serving engine's own record, timed by known coefficients."""
     from quill.cost.calibrate import main as calibrate_main
 
-    write_tiny_config(tmp_path, model_dir)
-    truth = {
-        "overhead_s": 0.02,
-        "per_seq_s": 0.001,
-        "s_per_weight_byte": 0.0,
-        "s_per_linear_flop": 1 / 50e9,
-        "s_per_attention_flop": 1 / 20e9,
-        "s_per_kv_byte": 1 / 4e9,
-    }
-    info = {"model_path": str(tmp_path), "dtype": "float32"}
-    base = HardwareSpec("cpu", {"float32": 1e11}, 1e10, 8e9, calibration={**truth, **info})
-    base.save(tmp_path / "base.json")
-    model = ModelSpec.from_path(tmp_path, bytes_per_param=4)
-    model.dtype = "float32"
-    timed = CostModel(model, base)
+    timed = _timed_base(tmp_path, model_dir)
+    model, truth = timed.model, REFIT_TRUTH
     rng = np.random.default_rng(3)
     with (tmp_path / "steps.jsonl").open("w") as f:
         for step in range(60):
@@ -320,3 +330,31 @@ def test_refit_on_recorded_steps_recovers_the_coefficients(tmp_path, model_dir):
     )
     assert intercept == pytest.approx(0.02, rel=1e-3)
     assert calibrate_main(args) == 2  # --out is required
+
+
+def test_the_serving_refit_measures_how_long_strays_last_and_says_so(tmp_path, model_dir, capsys):
+    """`--from-steps` on a record whose steps stray in patches (a level of 70% of each stray
+    lasting 0.5 s, steps 20 ms apart) keeps the memory it finds (quill/sim/jitter.py draws
+    with it) and says so."""
+    import random
+
+    from quill.cost.calibrate import main as calibrate_main
+
+    timed = _timed_base(tmp_path, model_dir)
+    rng = random.Random(4)
+    keep, level, start = math.exp(-0.02 / 0.5), 0.0, 0.0
+    with (tmp_path / "steps.jsonl").open("w") as f:
+        for step in range(1500):
+            seqs = [[rng.randrange(900), 1, True, True] for _ in range(rng.randint(1, 30))]
+            level = keep * level + math.sqrt(1 - keep * keep) * rng.gauss(0, 1)
+            score = math.sqrt(0.7) * level + math.sqrt(0.3) * rng.gauss(0, 1)
+            price = timed.price(BatchShape.from_seqs(seqs)).predicted_s
+            record = {"step": step, "start": start, "duration": price * math.exp(0.1 * score)}
+            f.write(json.dumps({**record, "seqs": seqs}) + "\n")
+            start += 0.02
+    out = tmp_path / "serving.json"
+    args = ["--from-steps", str(tmp_path / "steps.jsonl"), "--base", str(tmp_path / "base.json")]
+    assert calibrate_main([*args, "--out", str(out)]) == 0
+    memory = HardwareSpec.load(out).calibration["step_time_memory"]
+    assert memory["shared"] == pytest.approx(0.7, abs=0.15) and 0.25 < memory["seconds"] < 1.0
+    assert "slow steps come in patches: " in capsys.readouterr().out

@@ -13,19 +13,15 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from quill.cost.batch import BatchShape
-from quill.cost.calibrate import main as calibrate_main
 from quill.cost.hardware import HardwareSpec
 from quill.cost.model import ModelSpec
 from quill.cost.refit import step_time_memory
-from quill.cost.step import CostModel
 from quill.cost.sweep import MeasuredStep
 from quill.sim.cli import main
 from quill.sim.cluster import run_colocated
 from quill.sim.config import SimConfig
 from quill.sim.jitter import StepJitter, StepJitters
 from quill.sim.workload import WorkItem
-from tests.conftest import write_tiny_config
 from tests.test_sim import TOY
 
 UNIFORM = tuple(1.0 + i / 100 for i in range(101))  # ratios 1..2: a draw's quantile is ratio - 1
@@ -151,34 +147,3 @@ def test_quill_simulate_draws_with_the_files_memory_unless_told_not_to(tmp_path,
     assert by_kind["settings"]["scheduler"]["step_jitter_kinds"] == ["decode"]
     all_steps = reports["--step-memory"]["results"]["itl_ms"]["p50"]
     assert by_kind["results"]["itl_ms"]["p50"] > 1.5 * all_steps
-
-
-def test_the_serving_refit_measures_the_memory_and_says_so(tmp_path, model_dir, capsys):
-    """`quill cost calibrate --from-steps` on a record whose steps stray in patches (a level of
-    70% of each stray, lasting 0.5 s; steps 20 ms apart) keeps the memory it finds."""
-    write_tiny_config(tmp_path, model_dir)
-    truth = dict(overhead_s=0.02, per_seq_s=0.001, s_per_weight_byte=0.0, s_per_kv_byte=1 / 4e9,
-                 s_per_linear_flop=1 / 50e9, s_per_attention_flop=1 / 20e9)  # fmt: skip
-    info = {"model_path": str(tmp_path), "dtype": "float32"}
-    base = HardwareSpec("cpu", {"float32": 1e11}, 1e10, 8e9, calibration={**truth, **info})
-    base.save(tmp_path / "base.json")
-    model = ModelSpec.from_path(tmp_path, bytes_per_param=4)
-    model.dtype = "float32"
-    timed = CostModel(model, base)
-    rng = random.Random(4)
-    keep, level, start = math.exp(-0.02 / 0.5), 0.0, 0.0
-    with (tmp_path / "steps.jsonl").open("w") as f:
-        for step in range(1500):
-            seqs = [[rng.randrange(900), 1, True, True] for _ in range(rng.randint(1, 30))]
-            level = keep * level + math.sqrt(1 - keep * keep) * rng.gauss(0, 1)
-            score = math.sqrt(0.7) * level + math.sqrt(0.3) * rng.gauss(0, 1)
-            price = timed.price(BatchShape.from_seqs(seqs)).predicted_s
-            record = {"step": step, "start": start, "duration": price * math.exp(0.1 * score)}
-            f.write(json.dumps({**record, "seqs": seqs}) + "\n")
-            start += 0.02
-    out = tmp_path / "serving.json"
-    args = ["--from-steps", str(tmp_path / "steps.jsonl"), "--base", str(tmp_path / "base.json")]
-    assert calibrate_main([*args, "--out", str(out)]) == 0
-    memory = HardwareSpec.load(out).calibration["step_time_memory"]
-    assert memory["shared"] == pytest.approx(0.7, abs=0.15) and 0.25 < memory["seconds"] < 1.0
-    assert "slow steps come in patches: " in capsys.readouterr().out
