@@ -181,18 +181,26 @@ def table(results: dict[str, dict], held: set[str] = frozenset()) -> dict:
 VARIANTS = ("sim", "sim-independent", "sim-by-kind", "sim-jitter-off")
 
 
-def pooled(folders: list[Path]) -> int:
-    """Each variant's table over every saved result of `folders` (as each was last simulated):
-    two validation runs of the same configurations on other days pool their evidence."""
-    results = {f"{folder.name}/{path.stem}": json.loads(path.read_text())
-               for folder in folders for name in CONFIGS
-               if (path := folder / f"{name}.json").exists()}  # fmt: skip
-    held = {n for n, r in results.items() if steady(r)}
+def variant_tables(saved: dict[str, dict]) -> dict[str, dict]:
+    """Each variant's table over the saved results (name -> result), the configurations whose
+    runs held the fit's speed marked; returns each variant's medians."""
+    held = {n for n, r in saved.items() if steady(r)}
+    summary = {}
     for variant in VARIANTS:
-        errors = {n: e for n, r in results.items() if (e := errors_of(r, variant))}
+        errors = {n: e for n, r in saved.items() if (e := errors_of(r, variant))}
         if errors:
-            print(f"\n{variant}:")
-            table(errors, held)
+            if variant != "sim":
+                print(f"\n{variant}:")
+            summary[variant] = table(errors, held)
+    return summary
+
+
+def pooled(folders: list[Path]) -> int:
+    """The tables over every saved result of `folders` (as each was last simulated): two
+    validation runs of the same configurations on other days pool their evidence."""
+    variant_tables({f"{folder.name}/{path.stem}": json.loads(path.read_text())
+                    for folder in folders for name in CONFIGS
+                    if (path := folder / f"{name}.json").exists()})  # fmt: skip
     return 0
 
 
@@ -225,7 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown configurations {unknown}; known: {', '.join(CONFIGS)}")
     model_1b = write_shape("llama-3.2-1b", cache_dir() / "real-shapes" / "llama-3.2-1b")
-    results = {}
     for name in names if args.resimulate else []:
         path = out / f"{name}.json"
         if path.exists():
@@ -242,23 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {time.monotonic() - started:.0f} s", flush=True)
     # Every configuration with a result in the folder (those not run now: from earlier runs,
     # each self-contained: its own server, refit and real runs).
-    held = set()
-    for name in CONFIGS:
-        path = out / f"{name}.json"
-        if path.exists():
-            result = json.loads(path.read_text())
-            results[name] = errors_of(result)
-            if steady(result):
-                held.add(name)
-
-    summary = {"sim": table(results, held)}
-    for variant in VARIANTS[1:]:
-        others = {n: errors_of(json.loads((out / f"{n}.json").read_text()), variant)
-                  for n in results}  # fmt: skip
-        others = {n: e for n, e in others.items() if e}
-        if others:
-            print(f"\n{variant}:")
-            summary[variant] = table(others, held)
+    saved = {name: json.loads(path.read_text())
+             for name in CONFIGS if (path := out / f"{name}.json").exists()}  # fmt: skip
+    results = {name: errors_of(result) for name, result in saved.items()}
+    summary = variant_tables(saved)
     (out / "summary.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv),

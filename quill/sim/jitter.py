@@ -92,9 +92,11 @@ class StepJitters:
         if self.memory is None:
             return draws.draw()
         gauss = self._gauss
-        if self._at is not None and now > self._at:
+        if self._at is None:
+            self._at = now
+        elif now > self._at:
             keep = math.exp((self._at - now) / self._tau)
             self._level = keep * self._level + math.sqrt(1.0 - keep * keep) * gauss(0.0, 1.0)
-        self._at = now if self._at is None else max(self._at, now)
+            self._at = now
         score = self._shared * self._level + self._own * gauss(0.0, 1.0)
         return draws.at(0.5 * (1.0 + math.erf(score / math.sqrt(2.0))))
